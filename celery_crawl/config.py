@@ -1,0 +1,201 @@
+"""Typed view of the ``crawl_*`` settings of a Celery app, validated once with clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from .durations import parse_duration
+from .errors import ConfigError
+
+__all__ = ["DEFAULTS", "LEASE_SCHEMES", "CrawlConfig", "mask_url"]
+
+LEASE_SCHEMES = ("redis", "rediss", "etcd", "etcd+https", "etcd+http")
+_REDIS_BACKEND_SCHEMES = {"redis": "redis", "rediss": "rediss", "crawlredis": "redis",
+                          "crawlrediss": "rediss"}
+
+#: Defaults, in one place (DESIGN.md "Settings").
+DEFAULTS: dict[str, Any] = {
+    "crawl_lease_url": None,
+    "crawl_namespace": None,
+    "crawl_beat_lease_ttl": 10.0,
+    "crawl_worker_lease_ttl": 15.0,
+    "crawl_reaper_interval": None,
+    "crawl_max_clock_skew": 1.0,
+    "crawl_schedule_paths": ["beat_schedules/*.toml"],
+    "crawl_metrics_port": None,
+    "crawl_on_lease_loss": "cancel",
+    "crawl_max_deliveries": 5,
+    "crawl_done_ttl": None,
+    "crawl_min_memory": None,
+    "crawl_redis_wait_replicas": 0,
+    "crawl_audit_maxlen": 1_000_000,
+    "crawl_store_timeout": 2.0,
+}
+
+_MIN_TTL_S = 0.5
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced by ``***``, safe for logs and errors."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return parts._replace(netloc=netloc).geturl()
+
+
+@dataclasses.dataclass(frozen=True)
+class CrawlConfig:
+    """Validated ``crawl_*`` settings. Durations are float seconds (``*_s``)."""
+
+    lease_url: str
+    namespace: str
+    beat_lease_ttl_s: float
+    worker_lease_ttl_s: float
+    reaper_interval_s: float
+    max_clock_skew_s: float
+    schedule_paths: tuple[str, ...]
+    metrics_port: int | None
+    on_lease_loss: str
+    max_deliveries: int
+    done_ttl_s: float
+    min_memory_bytes: int | None
+    redis_wait_replicas: int
+    audit_maxlen: int
+    store_timeout_s: float
+
+    @classmethod
+    def from_app(cls, app: Any) -> CrawlConfig:
+        """Read and validate the settings of a Celery app.
+
+        Raises:
+            ConfigError: naming the setting and what is wrong.
+        """
+        conf = app.conf
+        values = {k: conf.get(k, v) for k, v in DEFAULTS.items()}
+        if values["crawl_lease_url"] is None:
+            values["crawl_lease_url"] = _lease_url_from_backend(conf.get("result_backend"))
+        if values["crawl_namespace"] is None:
+            values["crawl_namespace"] = getattr(app, "main", None) or "celery_crawl"
+        if values["crawl_done_ttl"] is None:
+            expires = conf.get("result_expires")
+            values["crawl_done_ttl"] = (
+                expires.total_seconds() if hasattr(expires, "total_seconds") else expires
+            ) or 86400.0
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> CrawlConfig:
+        """Validate a mapping of ``crawl_*`` settings (missing ones take their defaults)."""
+        v = {**DEFAULTS, **values}
+        unknown = sorted(k for k in values if k.startswith("crawl_") and k not in DEFAULTS)
+        if unknown:
+            raise ConfigError(f"unknown setting {unknown[0]!r} (known: {', '.join(DEFAULTS)})")
+        url = v["crawl_lease_url"]
+        if not isinstance(url, str) or not url:
+            raise ConfigError(
+                "crawl_lease_url: not set, and the result backend is not Redis; set it to "
+                "redis://..., rediss://... or etcd://host:2379"
+            )
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme not in LEASE_SCHEMES:
+            raise ConfigError(
+                f"crawl_lease_url: unknown scheme {scheme!r} in {mask_url(url)!r} "
+                f"(use one of {', '.join(LEASE_SCHEMES)})"
+            )
+        namespace = v["crawl_namespace"]
+        if not isinstance(namespace, str) or not namespace or any(c in namespace for c in " \n{}"):
+            raise ConfigError(f"crawl_namespace: {namespace!r} must be a non-empty word")
+        beat_ttl = _ttl("crawl_beat_lease_ttl", v["crawl_beat_lease_ttl"], scheme)
+        worker_ttl = _ttl("crawl_worker_lease_ttl", v["crawl_worker_lease_ttl"], scheme)
+        reaper = v["crawl_reaper_interval"]
+        reaper_s = worker_ttl / 3 if reaper is None else _dur("crawl_reaper_interval", reaper)
+        if reaper_s <= 0:
+            raise ConfigError("crawl_reaper_interval: must be positive")
+        skew = _dur("crawl_max_clock_skew", v["crawl_max_clock_skew"])
+        paths = v["crawl_schedule_paths"]
+        if isinstance(paths, str):
+            paths = [paths]
+        if not isinstance(paths, list | tuple) or not all(isinstance(p, str) for p in paths):
+            raise ConfigError("crawl_schedule_paths: must be a list of glob strings")
+        port = v["crawl_metrics_port"]
+        if port is not None and (
+            isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
+        ):
+            raise ConfigError(f"crawl_metrics_port: {port!r} is not a TCP port (0-65535) or None")
+        on_loss = v["crawl_on_lease_loss"]
+        if on_loss not in ("cancel", "continue"):
+            raise ConfigError(f"crawl_on_lease_loss: {on_loss!r} must be 'cancel' or 'continue'")
+        max_del = _int("crawl_max_deliveries", v["crawl_max_deliveries"], minimum=1)
+        done_ttl = _dur("crawl_done_ttl", v["crawl_done_ttl"])
+        min_mem = v["crawl_min_memory"]
+        min_mem_b = None if min_mem is None else _bytes("crawl_min_memory", min_mem)
+        replicas = _int("crawl_redis_wait_replicas", v["crawl_redis_wait_replicas"], minimum=0)
+        maxlen = _int("crawl_audit_maxlen", v["crawl_audit_maxlen"], minimum=1)
+        timeout = _dur("crawl_store_timeout", v["crawl_store_timeout"])
+        if timeout <= 0:
+            raise ConfigError("crawl_store_timeout: must be positive")
+        return cls(
+            lease_url=url, namespace=namespace, beat_lease_ttl_s=beat_ttl,
+            worker_lease_ttl_s=worker_ttl, reaper_interval_s=reaper_s, max_clock_skew_s=skew,
+            schedule_paths=tuple(paths), metrics_port=port, on_lease_loss=on_loss,
+            max_deliveries=max_del, done_ttl_s=done_ttl, min_memory_bytes=min_mem_b,
+            redis_wait_replicas=replicas, audit_maxlen=maxlen, store_timeout_s=timeout,
+        )
+
+
+def _lease_url_from_backend(backend: object) -> str | None:
+    if not isinstance(backend, str) or "://" not in backend:
+        return None
+    scheme, rest = backend.split("://", 1)
+    scheme = scheme.rsplit("+", 1)[-1] if "+" in scheme else scheme
+    mapped = _REDIS_BACKEND_SCHEMES.get(scheme)
+    return f"{mapped}://{rest}" if mapped else None
+
+
+def _dur(name: str, value: object) -> float:
+    return parse_duration(value, what=name)
+
+
+def _ttl(name: str, value: object, scheme: str) -> float:
+    ttl = _dur(name, value)
+    if ttl < _MIN_TTL_S:
+        raise ConfigError(f"{name}: {ttl}s is too short to renew every ttl/3 (minimum 0.5s)")
+    if scheme.startswith("etcd") and ttl < 2:
+        raise ConfigError(f"{name}: etcd leases have a floor of 2s, got {ttl}s")
+    return ttl
+
+
+def _int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+_SIZE = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
+         "mib": 1024**2, "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
+
+
+def _bytes(name: str, value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        num = text.rstrip("abgikm ")
+        unit = text[len(num):].strip()
+        try:
+            if unit in _SIZE and float(num) > 0:
+                return int(float(num) * _SIZE[unit])
+        except ValueError:
+            pass
+    raise ConfigError(f"{name}: {value!r} is not a size like 512MiB or 2GB")

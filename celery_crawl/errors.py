@@ -1,0 +1,114 @@
+"""One exception tree for everything celery-crawl raises.
+
+Foreign errors (redis-py, grpc/etcd3, croniter, tomllib) are translated at the boundary where they
+occur, ``raise Mapped(...) from exc``, so callers only ever catch these::
+
+    CrawlError
+    ├── ConfigError                 a crawl_* setting or install() argument is wrong
+    ├── ScheduleError               a cron expression, zone or schedule entry is wrong
+    │   └── ScheduleFileError       a schedule file is unreadable or malformed (names file/entry/field)
+    ├── StoreError                  the lease store failed
+    │   ├── StoreUnavailable        cannot connect / connection dropped / auth or TLS refused
+    │   ├── StoreTimeout            a store call did not answer within its timeout
+    │   └── StoreDataError          a key holds something celery-crawl did not write (garbage)
+    ├── LeaseError
+    │   ├── LeaseLost               the lease expired or is held by another holder
+    │   └── NotLeader               a leader-only write was attempted without the current token
+    ├── FencedError                 a write carried an older fencing token than the stored one
+    ├── SerializationRefused        a payload in a serializer other than JSON was aimed at us
+    └── UnsupportedSetup            a worker/beat configuration celery-crawl refuses to run under
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "CrawlError",
+    "FencedError",
+    "LeaseError",
+    "LeaseLost",
+    "NotLeader",
+    "ScheduleError",
+    "ScheduleFileError",
+    "SerializationRefused",
+    "StoreDataError",
+    "StoreError",
+    "StoreTimeout",
+    "StoreUnavailable",
+    "UnsupportedSetup",
+]
+
+
+class CrawlError(Exception):
+    """Root of every error celery-crawl raises."""
+
+
+class ConfigError(CrawlError):
+    """A setting is invalid; the message names the setting and what is wrong."""
+
+
+class ScheduleError(CrawlError):
+    """A cron expression, time zone or entry definition is invalid."""
+
+
+class ScheduleFileError(ScheduleError):
+    """A schedule file problem, located by file, entry and field."""
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        file: str | None = None,
+        entry: str | None = None,
+        field: str | None = None,
+    ) -> None:
+        self.reason = reason
+        self.file = file
+        self.entry = entry
+        self.field = field
+        where = ", ".join(
+            f"{label} {value!r}" if label != "file" else str(value)
+            for label, value in (("file", file), ("entry", entry), ("field", field))
+            if value is not None
+        )
+        super().__init__(f"{where}: {reason}" if where else reason)
+
+
+class StoreError(CrawlError):
+    """The lease store failed; the message names the store URL with the password masked."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached, refused the connection, or refused our credentials."""
+
+
+class StoreTimeout(StoreError):
+    """A store call did not answer within its timeout."""
+
+
+class StoreDataError(StoreError):
+    """A key holds data celery-crawl did not write; it is reported, never trusted."""
+
+
+class LeaseError(CrawlError):
+    """Base of lease ownership errors."""
+
+
+class LeaseLost(LeaseError):
+    """The lease expired, was released, or is now held by another holder."""
+
+
+class NotLeader(LeaseError):
+    """A leader-only write was attempted without holding the current leader token."""
+
+
+class FencedError(CrawlError):
+    """A write carried an older fencing token than the one already stored."""
+
+
+class SerializationRefused(CrawlError):
+    """A payload in a serializer other than JSON was aimed at celery-crawl."""
+
+
+class UnsupportedSetup(CrawlError):
+    """A worker or beat setup that celery-crawl cannot make safe (e.g. the solo pool)."""

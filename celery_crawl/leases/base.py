@@ -1,0 +1,239 @@
+"""The lease-store contract every driver implements.
+
+A store keeps three kinds of things for one namespace:
+
+* **leases** — named, exclusive, expiring; acquiring one yields a fencing token from the
+  namespace's single monotonic token source (etcd: the revision; Redis: one counter re-seeded
+  from ``TIME`` in microseconds when missing, so tokens never go backwards after a reset);
+* **claims** — ``key -> value`` records bound to a lease; valid exactly while that lease lives,
+  never refreshed one by one (renewing the lease is O(1) whatever the number of claims);
+* **records** — small JSON-able values (slot state, presence, tombstones, command queues),
+  optionally fenced by a lease (written only while that lease is current and its token is not
+  older than the stored writer token) and optionally expiring.
+
+Validity is judged on the client's ``CLOCK_BOOTTIME`` measured from *before* the request:
+``valid_until = t_send + ttl * (1 - drift) - margin``. The server expires keys by its own clock;
+clients never compare wall clocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "DRIFT",
+    "MARGIN_S",
+    "Characteristic",
+    "Claim",
+    "Lease",
+    "LeaseStore",
+]
+
+#: Fraction of the TTL assumed lost to clock-rate differences between client and server.
+DRIFT = 0.01
+#: Fixed safety margin subtracted from every validity window (seconds).
+MARGIN_S = 0.05
+
+
+class Characteristic(enum.Enum):
+    """What a driver guarantees; callers may demand one (``store.require(...)``)."""
+
+    #: Fencing tokens never go backwards, even after the server restarts without persistence.
+    MONOTONIC_TOKENS = "monotonic-tokens"
+    #: Writes are linearizable across store failover (etcd: raft; Redis async replication: no).
+    LINEARIZABLE = "linearizable"
+    #: ``server_time()`` returns the store's clock.
+    HAS_CLOCK = "has-clock"
+    #: The store can tell whether a token was issued (Redis token counter on the same server).
+    TOKEN_ISSUANCE_CHECK = "token-issuance-check"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lease:
+    """A held lease. Immutable: ``renew`` returns a new one with a later ``valid_until``.
+
+    Attributes:
+        name: logical lease name inside the namespace (``"beat-leader"``, ``"worker:<holder>"``).
+        holder: unique per process start (``hostname:pid:random``).
+        token: fencing token; strictly greater than every token issued before in the namespace.
+        ttl_s: the TTL the store enforces (etcd: whole seconds).
+        valid_until: ``CLOCK_BOOTTIME`` seconds until which this client may act on the lease.
+        handle: driver-private handle (etcd lease id); opaque to callers.
+    """
+
+    name: str
+    holder: str
+    token: int
+    ttl_s: float
+    valid_until: float
+    handle: int | None = None
+
+    def remaining(self, now: float) -> float:
+        """Seconds of validity left at monotonic ``now`` (negative once expired)."""
+        return self.valid_until - now
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Claim:
+    """A claim as read back from the store.
+
+    Attributes:
+        key: the claimed key (``"task:<id>"``).
+        lease_name: name of the lease the claim is bound to.
+        holder: holder of that lease when the claim was made.
+        token: the claim's own fencing token.
+        value: the JSON-able mapping stored with the claim.
+        alive: whether the bound lease still lives (so the claim is valid).
+    """
+
+    key: str
+    lease_name: str
+    holder: str
+    token: int
+    value: Mapping[str, Any]
+    alive: bool
+
+
+@runtime_checkable
+class LeaseStore(Protocol):
+    """A lease store for one namespace. Every call has a timeout and raises only ``StoreError``
+    subclasses (or ``LeaseLost`` where stated) — never a client library's exception.
+
+    Main-process only: prefork children must not share a store object across ``fork()``.
+    """
+
+    url: str  #: the URL with the password masked, safe to log
+    namespace: str
+    characteristics: frozenset[Characteristic]
+
+    # -- leases -----------------------------------------------------------------------------
+    def acquire(self, name: str, ttl_s: float, holder: str) -> Lease | None:
+        """Take lease ``name`` if free (non-blocking); None while another holder has it."""
+        ...
+
+    def renew(self, lease: Lease) -> Lease:
+        """Extend ``lease`` in one round trip. Raises ``LeaseLost`` if gone or held by another."""
+        ...
+
+    def release(self, lease: Lease) -> None:
+        """Give the lease up if still held by ``lease.holder``; never raises for an expired one.
+
+        Releasing deletes the lease's claims' validity at once (they become orphaned)."""
+        ...
+
+    def holder(self, name: str) -> tuple[str, int] | None:
+        """``(holder, token)`` of lease ``name``, or None when free."""
+        ...
+
+    def lease_ttl_left(self, name: str) -> float | None:
+        """Server-side seconds left on lease ``name`` (for status displays), None when free."""
+        ...
+
+    # -- claims -----------------------------------------------------------------------------
+    def claim(self, lease: Lease, key: str, value: Mapping[str, Any]) -> int | None:
+        """Atomically create claim ``key`` bound to ``lease`` if absent, or if the previous
+        claimant's lease is dead. Returns the claim's fresh token, or None while a live claim
+        exists (held by any lease, including this one). Raises ``LeaseLost`` if ``lease`` is
+        not held."""
+        ...
+
+    def claim_many(
+        self, lease: Lease, items: Sequence[tuple[str, Mapping[str, Any]]]
+    ) -> list[int | None]:
+        """``claim`` for many keys in as few round trips as the store allows."""
+        ...
+
+    def claimant(self, key: str) -> Claim | None:
+        """The current claim on ``key`` (alive or orphaned), or None."""
+        ...
+
+    def unclaim(self, lease: Lease, key: str) -> bool:
+        """Delete claim ``key`` if it is bound to ``lease`` (same holder and lease); True if
+        deleted. Used on task completion."""
+        ...
+
+    def claims_of(self, lease_name: str) -> list[Claim]:
+        """Every claim bound to lease ``lease_name`` (alive or not)."""
+        ...
+
+    def orphaned_claims(self, limit: int = 1000) -> list[Claim]:
+        """Claims whose bound lease is dead, oldest lease first; for the reaper."""
+        ...
+
+    def drop_claim(self, claim: Claim) -> bool:
+        """Delete an orphaned claim if it is still the same one (same token); True if deleted."""
+        ...
+
+    # -- records ----------------------------------------------------------------------------
+    def put(
+        self,
+        key: str,
+        value: Mapping[str, Any],
+        *,
+        lease: Lease | None = None,
+        ttl_s: float | None = None,
+    ) -> None:
+        """Write a JSON record. With ``lease``: only while that lease is current, and only if
+        the record's stored writer token is not greater than ``lease.token``; otherwise raises
+        ``NotLeader`` (lease not current) or ``FencedError`` (older token). With ``ttl_s``: the
+        record expires."""
+        ...
+
+    def put_many(
+        self,
+        items: Sequence[tuple[str, Mapping[str, Any]]],
+        *,
+        lease: Lease | None = None,
+        ttl_s: float | None = None,
+    ) -> None:
+        """``put`` for several records, atomically, in one round trip where possible."""
+        ...
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """A record, or None. A key holding non-JSON raises ``StoreDataError`` naming the key."""
+        ...
+
+    def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
+        """``get`` for several keys in one round trip."""
+        ...
+
+    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Every record whose key starts with ``prefix`` (keys returned without the namespace)."""
+        ...
+
+    def delete(self, key: str, *, lease: Lease | None = None) -> bool:
+        """Delete a record (fenced like ``put`` when ``lease`` is given); True if it existed."""
+        ...
+
+    # -- queues (operator commands) ---------------------------------------------------------
+    def push(self, queue: str, value: Mapping[str, Any]) -> None:
+        """Append to a FIFO queue."""
+        ...
+
+    def pop_all(self, queue: str, *, lease: Lease | None = None, limit: int = 100) -> list[
+        dict[str, Any]
+    ]:
+        """Take up to ``limit`` items from the head of the queue, atomically (fenced by
+        ``lease`` when given, so only the leader consumes)."""
+        ...
+
+    # -- misc -------------------------------------------------------------------------------
+    def server_time(self) -> float | None:
+        """The store's wall clock in UNIX seconds, or None if the store has none (etcd)."""
+        ...
+
+    def ping(self) -> float:
+        """Round-trip time in seconds; raises ``StoreUnavailable``/``StoreTimeout``."""
+        ...
+
+    def watch_free(self, name: str, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until lease ``name`` looks free (pub/sub or watch);
+        True if it was seen free. Used by standbys to take over within a second."""
+        ...
+
+    def close(self) -> None:
+        """Close connections; the store is unusable afterwards."""
+        ...

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from tests.servers import (
+    EtcdServer,
+    RedisServer,
+    delete_rabbit_vhost,
+    etcd_binary,
+    make_rabbit_vhost,
+)
+
+settings.register_profile(
+    "ci", deadline=None, database=None, derandomize=True, max_examples=200,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("ci")
+
+
+def _require(what: str, env: str) -> bool:
+    return os.environ.get(env) == "1" or os.environ.get("CI") == "true"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server for the whole session (tests must use unique key namespaces)."""
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def fresh_redis() -> Iterator[RedisServer]:
+    """A private redis-server for one test (to restart or kill it)."""
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def fresh_redis_aof() -> Iterator[RedisServer]:
+    server = RedisServer(appendonly=True).start()
+    yield server
+    server.cleanup()
+
+
+def _etcd_or_skip() -> None:
+    if etcd_binary() is None:
+        if _require("etcd", "CRAWL_REQUIRE_ETCD"):
+            pytest.fail("etcd binary not found and CRAWL_REQUIRE_ETCD=1")
+        pytest.skip("etcd binary not found (apt-get install etcd-server); "
+                    "set CRAWL_REQUIRE_ETCD=1 to make this a failure")
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdServer]:
+    _etcd_or_skip()
+    server = EtcdServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def fresh_etcd() -> Iterator[EtcdServer]:
+    _etcd_or_skip()
+    server = EtcdServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def rabbit_vhost() -> Iterator[str]:
+    vhost = make_rabbit_vhost()
+    if vhost is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("RabbitMQ is not reachable through rabbitmqctl")
+        pytest.skip("RabbitMQ not available")
+    yield vhost
+    delete_rabbit_vhost(vhost)
+
+
+@pytest.fixture(scope="session")
+def rabbit_url(rabbit_vhost: str) -> str:
+    return f"amqp://guest:guest@127.0.0.1:5672/{rabbit_vhost}"

@@ -1,0 +1,204 @@
+"""Real servers for tests: redis-server and etcd on free loopback ports in a temp dir.
+
+No mocks: every integration and system test talks to one of these (or to the machine's
+RabbitMQ through a vhost made for the run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail with ``what`` after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except Exception as exc:  # the server may still be starting
+            last_exc = exc
+            value = None
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.1f}s waiting for {what}") from last_exc
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+class RedisServer:
+    """One redis-server; ``restart()`` keeps the port (and, with AOF on, the data)."""
+
+    def __init__(self, *, appendonly: bool = False, extra: list[str] | None = None,
+                 port: int | None = None, base_dir: str | None = None) -> None:
+        self.port = port or free_port()
+        self.dir = Path(base_dir or tempfile.mkdtemp(prefix="crawl-redis-", dir=_tmp_root()))
+        self.appendonly = appendonly
+        self.extra = list(extra or [])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def url_db(self, db: int) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db, socket_timeout=5,
+                           socket_connect_timeout=5)
+
+    def start(self) -> RedisServer:
+        args = [
+            shutil.which("redis-server") or "redis-server",
+            "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "always", "--logfile", str(self.dir / "redis.log"),
+            "--protected-mode", "no", *self.extra,
+        ]
+        self.proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        wait_until(lambda: self.client().ping(), 15, what=f"redis on port {self.port}")
+        return self
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None:
+            _kill_group(self.proc, sig)
+            self.proc = None
+
+    def restart(self, *, down_s: float = 0.0) -> None:
+        self.stop()
+        if down_s:
+            time.sleep(down_s)  # the outage itself is the fault being injected
+        self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class EtcdServer:
+    """One single-member etcd with its data under /dev/shm when available."""
+
+    def __init__(self) -> None:
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.name = f"crawl-{uuid.uuid4().hex[:8]}"
+        self.dir = Path(tempfile.mkdtemp(prefix="crawl-etcd-", dir=_tmp_root()))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self) -> EtcdServer:
+        binary = etcd_binary()
+        assert binary, "etcd binary not found"
+        args = [
+            binary, "--name", self.name, "--data-dir", str(self.dir / "data"),
+            "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+            "--initial-cluster", f"{self.name}=http://127.0.0.1:{self.peer_port}",
+            "--initial-cluster-state", "new", "--log-level", "error",
+        ]
+        log = open(self.dir / "etcd.log", "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(args, start_new_session=True, stdout=log, stderr=log)
+        wait_until(self._healthy, 30, what=f"etcd on port {self.client_port}")
+        return self
+
+    def _healthy(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.client_port), timeout=1):
+            pass
+        out = subprocess.run(
+            [shutil.which("etcdctl") or "etcdctl", f"--endpoints=127.0.0.1:{self.client_port}",
+             "endpoint", "health"], capture_output=True, timeout=5,
+            env={**os.environ, "ETCDCTL_API": "3"})
+        return out.returncode == 0
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None:
+            _kill_group(self.proc, sig)
+            self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def etcd_binary() -> str | None:
+    return shutil.which("etcd") or next(
+        (p for p in ("/usr/bin/etcd", "/usr/local/bin/etcd") if os.path.exists(p)), None)
+
+
+def _tmp_root() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+@contextlib.contextmanager
+def running_redis(**kw) -> Iterator[RedisServer]:
+    server = RedisServer(**kw).start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@contextlib.contextmanager
+def running_etcd() -> Iterator[EtcdServer]:
+    server = EtcdServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+# -- RabbitMQ (the machine's; one vhost per test run) ---------------------------------------
+def make_rabbit_vhost() -> str | None:
+    """Create a fresh vhost on the local RabbitMQ for guest; None when RabbitMQ is absent."""
+    ctl = shutil.which("rabbitmqctl") or "/usr/sbin/rabbitmqctl"
+    if not os.path.exists(ctl):
+        return None
+    vhost = f"crawl-{uuid.uuid4().hex[:10]}"
+    try:
+        subprocess.run([ctl, "add_vhost", vhost], check=True, capture_output=True, timeout=60)
+        subprocess.run([ctl, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"],
+                       check=True, capture_output=True, timeout=60)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return vhost
+
+
+def delete_rabbit_vhost(vhost: str) -> None:
+    ctl = shutil.which("rabbitmqctl") or "/usr/sbin/rabbitmqctl"
+    with contextlib.suppress(subprocess.SubprocessError, OSError):
+        subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60)
