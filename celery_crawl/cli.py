@@ -1,11 +1,16 @@
 """``celery -A proj crawl ...``: a click group on Celery's ``celery.commands`` entry point.
 
-Subcommands live beside the plugin they operate (schedules, beat, audit) and are attached here.
+Subcommands live beside the plugin they operate (``schedules/cli.py``, ``beat/cli.py``,
+``backends/cli.py``) and are attached here.
 """
 
 from __future__ import annotations
 
 import click
+
+from .backends import cli as _backends_cli
+from .beat import cli as _beat_cli
+from .schedules import cli as _schedules_cli
 
 __all__ = ["crawl"]
 
@@ -14,3 +19,7 @@ __all__ = ["crawl"]
 @click.pass_context
 def crawl(ctx: click.Context) -> None:
     ctx.ensure_object(dict)
+
+
+for _module in (_schedules_cli, _beat_cli, _backends_cli):
+    _module.register(crawl)
