@@ -58,7 +58,7 @@ class Pki:
     Attributes:
         dir: directory holding every file.
         ca: the trusted authority's certificate.
-        server_cert/server_key: server certificate for ``127.0.0.1``/``localhost``, signed by ``ca``.
+        server_cert/server_key: server certificate for 127.0.0.1 and localhost, by ``ca``.
         client_cert/client_key: client certificate (CN ``crawl-client``), signed by ``ca``.
         rogue_ca: an unrelated authority nobody trusts.
         rogue_server_cert/rogue_server_key: server certificate signed by ``rogue_ca``.
