@@ -1,0 +1,37 @@
+-- KEYS[1] lease key, KEYS[2] token counter, KEYS[3] claims-of set of this lease,
+-- KEYS[4] index of lease names having claims (zset), KEYS[5..] claim keys
+-- ARGV[1] lease name, ARGV[2] holder, ARGV[3] lease token, ARGV[4] namespace prefix ("ns:"),
+-- ARGV[5..] claim values (JSON), one per claim key
+-- Returns {-1} when the lease is not held, else {1, t1, t2, ...} with 0 for a refused claim.
+-- The previous claimant's lease key is derived from the claim (Redis Cluster is not supported).
+if not lease_is(KEYS[1], ARGV[2], ARGV[3]) then return {-1} end
+local out = {1}
+local granted = 0
+for i = 5, #KEYS do
+  local ck = KEYS[i]
+  local prev = redis.call('HMGET', ck, 'lease', 'holder')
+  local free = true
+  if prev[1] then
+    local plk = ARGV[4] .. 'lease:' .. prev[1]
+    if redis.call('HGET', plk, 'holder') == prev[2] then
+      free = false
+    else
+      redis.call('SREM', ARGV[4] .. 'claims-of:' .. prev[1], ck)
+      if prev[1] ~= ARGV[1] and redis.call('SCARD', ARGV[4] .. 'claims-of:' .. prev[1]) == 0 then
+        redis.call('ZREM', KEYS[4], prev[1])
+      end
+    end
+  end
+  if free then
+    local token = next_token(KEYS[2])
+    redis.call('DEL', ck)
+    redis.call('HSET', ck, 'lease', ARGV[1], 'holder', ARGV[2], 'token', token, 'value', ARGV[i])
+    redis.call('SADD', KEYS[3], ck)
+    out[#out + 1] = token
+    if granted == 0 then granted = token end
+  else
+    out[#out + 1] = 0
+  end
+end
+if granted ~= 0 then redis.call('ZADD', KEYS[4], 'NX', granted, ARGV[1]) end
+return out

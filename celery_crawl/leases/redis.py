@@ -1,0 +1,591 @@
+"""Redis lease store: every lease, claim and fenced write is one Lua script.
+
+URL grammar::
+
+    redis://[[user]:password@]host[:port][/db]
+    rediss://[[user]:password@]host[:port][/db][?ssl_ca_certs=PATH&ssl_certfile=PATH
+                                               &ssl_keyfile=PATH&ssl_cert_reqs=required|optional|none]
+
+Any other query option is a ``ConfigError`` (a typo in a TLS option must not silently turn
+verification off). Port defaults to 6379, db to 0.
+
+Physical layout, every key prefixed ``"{namespace}:"``:
+
+* ``token`` — the fencing-token counter (string). Re-seeded from ``TIME`` in microseconds when
+  missing, so tokens never go backwards after a restart without persistence or a failover. The
+  audited result backend relies on "token ``t`` was issued iff ``t <= GET {namespace}:token``".
+* ``lease:<name>`` — hash ``{holder, token}`` with a millisecond ``PEXPIRE``.
+* ``claim:<key>`` — hash ``{lease, holder, token, value}``, no TTL: a claim is alive exactly while
+  ``lease:<lease>`` exists with the same holder, so renewal touches only the lease key.
+* ``claims-of:<lease>`` — set of claim keys bound to a lease; ``claim-leases`` — zset of lease
+  names having claims (score: first claim token) — so ``claims_of`` and ``orphaned_claims``
+  never scan the keyspace.
+* ``rec:<key>`` — record hash ``{v: JSON, t: writer token}``; ``q:<queue>`` — list.
+* channel ``lease-free`` — lease names published on release, for ``watch_free``.
+
+Scripts read keys they derive from claim contents (the previous claimant's lease), so Redis
+Cluster is not supported; use a standalone server or a Sentinel-managed primary.
+
+With ``redis_wait_replicas > 0`` every lease write (acquire, renew, claim, fenced put/delete/pop)
+is pipelined with ``WAIT n timeout`` in the same round trip. When fewer replicas acknowledge,
+``acquire`` returns None (the caller stays standby and retries; a retry by the same holder gets
+the same token back) and ``renew`` raises ``LeaseLost`` (fail closed: a failover could lose the
+renewal); claims and fenced writes log a warning and count it in ``unacked_writes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import ssl
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis as redis_lib
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, ResponseError
+from redis.retry import Retry
+
+from ..config import mask_url
+from ..errors import (
+    ConfigError,
+    FencedError,
+    LeaseLost,
+    NotLeader,
+    StoreDataError,
+    StoreError,
+    StoreTimeout,
+    StoreUnavailable,
+)
+from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease
+
+__all__ = ["RedisLeaseStore", "parse_redis_url", "token_counter_key"]
+
+log = logging.getLogger(__name__)
+
+_CLAIM_BATCH = 1000
+_PUT_BATCH = 500
+_POLL_S = 0.25
+_SSL_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
+              "none": ssl.CERT_NONE}
+
+
+def token_counter_key(namespace: str) -> str:
+    """Physical key of the namespace's fencing-token counter (``"{namespace}:token"``)."""
+    return f"{namespace}:token"
+
+
+def parse_redis_url(url: str) -> dict[str, Any]:
+    """Connection keyword arguments for ``redis.Redis`` from a ``redis://``/``rediss://`` URL.
+
+    Raises:
+        ConfigError: on an unknown scheme, a bad port/db, or an unknown query option.
+    """
+    masked = mask_url(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port or 6379
+    except ValueError as exc:
+        raise ConfigError(f"crawl_lease_url: {masked!r}: {exc}") from exc
+    if parts.scheme not in ("redis", "rediss"):
+        raise ConfigError(f"crawl_lease_url: {masked!r} is not a redis:// or rediss:// URL")
+    path = parts.path.strip("/") or "0"
+    if not path.isdigit():
+        raise ConfigError(f"crawl_lease_url: {masked!r}: database {path!r} is not a number")
+    kwargs: dict[str, Any] = {
+        "host": parts.hostname or "localhost",
+        "port": port,
+        "db": int(path),
+        "username": unquote(parts.username) if parts.username else None,
+        "password": unquote(parts.password) if parts.password else None,
+    }
+    query = parse_qs(parts.query, keep_blank_values=True)
+    for name, values in query.items():
+        if name not in _SSL_OPTIONS:
+            raise ConfigError(
+                f"crawl_lease_url: {masked!r}: unknown option {name!r} "
+                f"(known: {', '.join(_SSL_OPTIONS)})"
+            )
+        if parts.scheme != "rediss":
+            raise ConfigError(f"crawl_lease_url: {masked!r}: {name!r} needs rediss://")
+        value = values[-1]
+        if name == "ssl_cert_reqs":
+            if value.lower() not in _CERT_REQS:
+                raise ConfigError(
+                    f"crawl_lease_url: {masked!r}: ssl_cert_reqs must be one of "
+                    f"{', '.join(_CERT_REQS)}, got {value!r}"
+                )
+            kwargs[name] = _CERT_REQS[value.lower()]
+        else:
+            kwargs[name] = value
+    if parts.scheme == "rediss":
+        kwargs["ssl"] = True
+    return kwargs
+
+
+class _Script:
+    """A Lua script loaded once per connection pool, called by SHA with a NOSCRIPT fallback."""
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha: str | None = None
+
+
+def _load_scripts() -> dict[str, _Script]:
+    pkg = resources.files(__package__ or "celery_crawl.leases")
+    prelude = (pkg / "_token.lua").read_text(encoding="utf-8")
+    scripts = {}
+    for name in ("acquire", "renew", "release", "claim", "read_claims", "orphans", "unclaim",
+                 "put", "delete", "pop"):
+        body = (pkg / f"{name}.lua").read_text(encoding="utf-8")
+        scripts[name] = _Script(name, prelude + "\n" + body)
+    return scripts
+
+
+class RedisLeaseStore:
+    """``LeaseStore`` on one Redis server (standalone or a Sentinel-managed primary).
+
+    Args:
+        url: ``redis://`` or ``rediss://`` URL (grammar in the module docstring).
+        namespace: prefix of every key.
+        timeout_s: socket connect and read timeout of every call; no client-side retries, so a
+            call fails within about this bound.
+        redis_wait_replicas: pipeline ``WAIT n`` after lease writes (see the module docstring).
+
+    Attributes:
+        round_trips: network round trips made so far (one per pipeline execution).
+        unacked_writes: claim/fenced writes fewer than ``redis_wait_replicas`` acknowledged.
+    """
+
+    characteristics = frozenset({
+        Characteristic.MONOTONIC_TOKENS,
+        Characteristic.HAS_CLOCK,
+        Characteristic.TOKEN_ISSUANCE_CHECK,
+    })
+
+    def __init__(self, url: str, *, namespace: str, timeout_s: float = 2.0,
+                 redis_wait_replicas: int = 0) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"crawl_store_timeout: must be positive, got {timeout_s}")
+        if redis_wait_replicas < 0:
+            raise ConfigError("crawl_redis_wait_replicas: must be >= 0")
+        self.url = mask_url(url)
+        self.namespace = namespace
+        self.timeout_s = float(timeout_s)
+        self.wait_replicas = int(redis_wait_replicas)
+        self.round_trips = 0
+        self.unacked_writes = 0
+        self._prefix = f"{namespace}:"
+        self._token_key = token_counter_key(namespace)
+        self._index_key = f"{self._prefix}claim-leases"
+        self._channel = f"{self._prefix}lease-free"
+        self._scripts = _load_scripts()
+        self._redis = redis_lib.Redis(
+            **parse_redis_url(url),
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+            decode_responses=True,
+            protocol=2,
+        )
+
+    # -- plumbing ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _translate(self, what: str) -> Iterator[None]:
+        """Map every redis-py error to the ``StoreError`` tree, naming the masked URL."""
+        try:
+            yield
+        except redis_lib.exceptions.TimeoutError as exc:
+            raise StoreTimeout(
+                f"{self.url}: {what} did not answer within {self.timeout_s:g}s"
+            ) from exc
+        except redis_lib.exceptions.ConnectionError as exc:
+            raise StoreUnavailable(f"{self.url}: {what}: {exc}") from exc
+        except ResponseError as exc:
+            if "WRONGTYPE" in str(exc):
+                raise StoreDataError(
+                    f"{self.url}: {what}: a key holds data celery-crawl did not write: {exc}"
+                ) from exc
+            raise StoreError(f"{self.url}: {what}: {exc}") from exc
+        except redis_lib.exceptions.RedisError as exc:
+            raise StoreError(f"{self.url}: {what}: {exc}") from exc
+        except OSError as exc:  # TLS files unreadable, socket errors outside redis-py's wrapping
+            raise StoreUnavailable(f"{self.url}: {what}: {exc}") from exc
+
+    def _k(self, kind: str, name: str) -> str:
+        return f"{self._prefix}{kind}:{name}"
+
+    def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any], *,
+              wait: bool = False) -> tuple[Any, int | None]:
+        """Run script ``name`` in one round trip (plus ``WAIT`` when asked and configured).
+
+        Returns the script's reply and the number of replicas that acknowledged (None when no
+        ``WAIT`` was sent). A NOSCRIPT reply (a restarted or failed-over server) loads the
+        script and retries once.
+        """
+        script = self._scripts[name]
+        use_wait = wait and self.wait_replicas > 0
+        with self._translate(name):
+            for attempt in (0, 1):
+                if script.sha is None:
+                    self.round_trips += 1
+                    script.sha = self._redis.script_load(script.source)
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                if use_wait:
+                    pipe.execute_command(
+                        "WAIT", self.wait_replicas, max(1, int(self.timeout_s * 500))
+                    )
+                self.round_trips += 1
+                replies = pipe.execute(raise_on_error=False)
+                first = replies[0]
+                if isinstance(first, NoScriptError) and attempt == 0:
+                    script.sha = None
+                    continue
+                if isinstance(first, Exception):
+                    raise first
+                acked = None
+                if use_wait:
+                    if isinstance(replies[1], Exception):
+                        raise replies[1]
+                    acked = int(replies[1])
+                return first, acked
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _under_acked(self, acked: int | None) -> bool:
+        return acked is not None and acked < self.wait_replicas
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        with self._translate(what):
+            self.round_trips += 1
+            return fn(*args)
+
+    @staticmethod
+    def _valid_until(t_send: float, ttl_s: float) -> float:
+        return t_send + ttl_s * (1 - DRIFT) - MARGIN_S
+
+    @staticmethod
+    def _now() -> float:
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+    @staticmethod
+    def _ttl_ms(ttl_s: float, what: str = "ttl") -> int:
+        if not ttl_s > 0:
+            raise ConfigError(f"{what}: must be positive, got {ttl_s!r}")
+        return max(1, round(ttl_s * 1000))
+
+    def _fence_args(self, lease: Lease | None) -> tuple[str, list[str]]:
+        if lease is None:
+            return "", ["", ""]
+        return self._k("lease", lease.name), [lease.holder, str(lease.token)]
+
+    # -- leases -----------------------------------------------------------------------------
+    def acquire(self, name: str, ttl_s: float, holder: str) -> Lease | None:
+        """Take lease ``name`` if free (or already ours); None while another holder has it."""
+        ttl_ms = self._ttl_ms(ttl_s)
+        t_send = self._now()
+        reply, acked = self._eval(
+            "acquire", [self._k("lease", name), self._token_key], [holder, ttl_ms], wait=True
+        )
+        if not reply:
+            return None
+        if self._under_acked(acked):
+            log.warning("%s: lease %r acquired but only %s of %s replicas acknowledged; "
+                        "not leading until a retry is acknowledged", self.url, name, acked,
+                        self.wait_replicas)
+            return None
+        return Lease(name=name, holder=holder, token=int(reply[0]), ttl_s=ttl_ms / 1000,
+                     valid_until=self._valid_until(t_send, ttl_ms / 1000))
+
+    def renew(self, lease: Lease) -> Lease:
+        """Extend ``lease`` in one round trip (one script on the lease key only)."""
+        ttl_ms = self._ttl_ms(lease.ttl_s)
+        t_send = self._now()
+        reply, acked = self._eval(
+            "renew", [self._k("lease", lease.name)], [lease.holder, lease.token, ttl_ms],
+            wait=True,
+        )
+        if reply != 1:
+            raise LeaseLost(f"{self.url}: lease {lease.name!r} (token {lease.token}) is gone "
+                            f"or held by another holder")
+        if self._under_acked(acked):
+            raise LeaseLost(f"{self.url}: renewal of {lease.name!r} acknowledged by {acked} of "
+                            f"{self.wait_replicas} replicas; a failover could lose it")
+        return Lease(name=lease.name, holder=lease.holder, token=lease.token, ttl_s=lease.ttl_s,
+                     valid_until=self._valid_until(t_send, lease.ttl_s), handle=lease.handle)
+
+    def release(self, lease: Lease) -> None:
+        """Delete the lease if still ours and announce it on the release channel."""
+        self._eval("release", [self._k("lease", lease.name)],
+                   [lease.holder, lease.token, self._channel, lease.name])
+
+    def holder(self, name: str) -> tuple[str, int] | None:
+        """``(holder, token)`` of lease ``name``, or None when free."""
+        got = self._call("holder", self._redis.hmget, self._k("lease", name), "holder", "token")
+        if got[0] is None or got[1] is None:
+            return None
+        return got[0], int(got[1])
+
+    def lease_ttl_left(self, name: str) -> float | None:
+        """Server-side seconds left on lease ``name``, None when free."""
+        ms = self._call("lease_ttl_left", self._redis.pttl, self._k("lease", name))
+        return None if ms is None or ms < 0 else ms / 1000
+
+    # -- claims -----------------------------------------------------------------------------
+    def claim(self, lease: Lease, key: str, value: Mapping[str, Any]) -> int | None:
+        """Create claim ``key`` bound to ``lease`` if absent or its claimant's lease is dead."""
+        return self.claim_many(lease, [(key, value)])[0]
+
+    def claim_many(
+        self, lease: Lease, items: Sequence[tuple[str, Mapping[str, Any]]]
+    ) -> list[int | None]:
+        """``claim`` for many keys, up to 1000 per round trip."""
+        out: list[int | None] = []
+        for start in range(0, len(items), _CLAIM_BATCH):
+            batch = items[start:start + _CLAIM_BATCH]
+            keys = [self._k("lease", lease.name), self._token_key,
+                    self._k("claims-of", lease.name), self._index_key,
+                    *(self._k("claim", k) for k, _ in batch)]
+            args = [lease.name, lease.holder, lease.token, self._prefix,
+                    *(_dumps(v, k) for k, v in batch)]
+            reply, acked = self._eval("claim", keys, args, wait=True)
+            if int(reply[0]) == -1:
+                raise LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: "
+                                f"it is gone or held by another holder")
+            if self._under_acked(acked):
+                self.unacked_writes += 1
+                log.warning("%s: claims acknowledged by %s of %s replicas", self.url, acked,
+                            self.wait_replicas)
+            out.extend(int(t) or None for t in reply[1:])
+        return out
+
+    def _claims_from(self, flat: Sequence[Any]) -> list[Claim]:
+        claims = []
+        strip = len(self._prefix) + len("claim:")
+        for i in range(0, len(flat), 6):
+            ck, lease_name, holder, token, value, alive = flat[i:i + 6]
+            claims.append(Claim(key=ck[strip:], lease_name=lease_name, holder=holder,
+                                token=int(token), value=_loads(value, ck),
+                                alive=bool(int(alive))))
+        return claims
+
+    def claimant(self, key: str) -> Claim | None:
+        """The current claim on ``key`` (alive or orphaned), or None."""
+        reply, _ = self._eval("read_claims", [self._k("claim", key)], [self._prefix, ""])
+        claims = self._claims_from(reply)
+        return claims[0] if claims else None
+
+    def unclaim(self, lease: Lease, key: str) -> bool:
+        """Delete claim ``key`` if it is bound to ``lease``; True if deleted."""
+        reply, _ = self._eval(
+            "unclaim",
+            [self._k("claim", key), self._k("claims-of", lease.name), self._index_key],
+            [lease.name, lease.holder, ""],
+        )
+        return bool(reply)
+
+    def claims_of(self, lease_name: str) -> list[Claim]:
+        """Every claim bound to ``lease_name``, read from its index set (no keyspace scan)."""
+        reply, _ = self._eval("read_claims", [],
+                              [self._prefix, self._k("claims-of", lease_name)])
+        return [c for c in self._claims_from(reply) if c.lease_name == lease_name]
+
+    def orphaned_claims(self, limit: int = 1000) -> list[Claim]:
+        """Claims whose lease is dead, oldest lease first, from the index (no keyspace scan)."""
+        reply, _ = self._eval("orphans", [self._index_key], [self._prefix, int(limit)])
+        return self._claims_from(reply)
+
+    def drop_claim(self, claim: Claim) -> bool:
+        """Delete an orphaned claim if it still carries ``claim.token``."""
+        reply, _ = self._eval(
+            "unclaim",
+            [self._k("claim", claim.key), self._k("claims-of", claim.lease_name),
+             self._index_key],
+            [claim.lease_name, claim.holder, claim.token],
+        )
+        return bool(reply)
+
+    # -- records ----------------------------------------------------------------------------
+    def put(self, key: str, value: Mapping[str, Any], *, lease: Lease | None = None,
+            ttl_s: float | None = None) -> None:
+        """Write one record (fenced by ``lease`` when given)."""
+        self.put_many([(key, value)], lease=lease, ttl_s=ttl_s)
+
+    def put_many(self, items: Sequence[tuple[str, Mapping[str, Any]]], *,
+                 lease: Lease | None = None, ttl_s: float | None = None) -> None:
+        """Write records atomically (one script per 500 records)."""
+        ttl_ms = 0 if ttl_s is None else self._ttl_ms(ttl_s, "ttl_s")
+        lease_key, fence = self._fence_args(lease)
+        for start in range(0, len(items), _PUT_BATCH):
+            batch = items[start:start + _PUT_BATCH]
+            keys = [lease_key, *(self._k("rec", k) for k, _ in batch)]
+            args = [*fence, ttl_ms, *(_dumps(v, k) for k, v in batch)]
+            reply, acked = self._eval("put", keys, args, wait=lease is not None)
+            self._check_fence(int(reply), lease, batch[0][0])
+            if self._under_acked(acked):
+                self.unacked_writes += 1
+                log.warning("%s: fenced write acknowledged by %s of %s replicas", self.url,
+                            acked, self.wait_replicas)
+
+    def _check_fence(self, code: int, lease: Lease | None, key: str) -> None:
+        if code == -1 and lease is not None:
+            raise NotLeader(f"{self.url}: write to {key!r} refused: lease {lease.name!r} "
+                            f"(token {lease.token}) is not current")
+        if code == -2 and lease is not None:
+            raise FencedError(f"{self.url}: write to {key!r} refused: it was written with a "
+                              f"newer token than {lease.token}")
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """A record, or None."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
+        """Records for ``keys`` in one round trip."""
+        if not keys:
+            return []
+        with self._translate("get"):
+            pipe = self._redis.pipeline(transaction=False)
+            for k in keys:
+                pipe.hget(self._k("rec", k), "v")
+            self.round_trips += 1
+            replies = pipe.execute(raise_on_error=False)
+        out: list[dict[str, Any] | None] = []
+        for k, raw in zip(keys, replies, strict=True):
+            if isinstance(raw, Exception):
+                raise StoreDataError(f"{self.url}: record {k!r} is not a celery-crawl record: "
+                                     f"{raw}") from raw
+            out.append(None if raw is None else _loads(raw, k))
+        return out
+
+    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Every record whose key starts with ``prefix`` (SCAN over the record key space)."""
+        pattern = self._k("rec", _glob_escape(prefix)) + "*"
+        names: list[str] = []
+        with self._translate("scan"):
+            cursor = 0
+            while True:
+                self.round_trips += 1
+                cursor, batch = self._redis.scan(cursor=cursor, match=pattern, count=1000)
+                names.extend(str(n) for n in batch)
+                if int(cursor) == 0:
+                    break
+        strip = len(self._prefix) + len("rec:")
+        logical = sorted({n[strip:] for n in names})
+        values = self.get_many(logical)
+        return {k: v for k, v in zip(logical, values, strict=True) if v is not None}
+
+    def delete(self, key: str, *, lease: Lease | None = None) -> bool:
+        """Delete a record (fenced when ``lease`` is given); True if it existed."""
+        lease_key, fence = self._fence_args(lease)
+        reply, _ = self._eval("delete", [lease_key, self._k("rec", key)], fence,
+                              wait=lease is not None)
+        self._check_fence(int(reply), lease, key)
+        return int(reply) == 1
+
+    # -- queues -----------------------------------------------------------------------------
+    def push(self, queue: str, value: Mapping[str, Any]) -> None:
+        """Append to a FIFO queue."""
+        self._call("push", self._redis.rpush, self._k("q", queue), _dumps(value, queue))
+
+    def pop_all(self, queue: str, *, lease: Lease | None = None,
+                limit: int = 100) -> list[dict[str, Any]]:
+        """Take up to ``limit`` items from the head of the queue atomically."""
+        lease_key, fence = self._fence_args(lease)
+        reply, _ = self._eval("pop", [lease_key, self._k("q", queue)], [*fence, int(limit)],
+                              wait=lease is not None)
+        if int(reply[0]) == -1:
+            self._check_fence(-1, lease, queue)
+        return [_loads(item, queue) for item in reply[1:]]
+
+    # -- misc -------------------------------------------------------------------------------
+    def server_time(self) -> float | None:
+        """Redis ``TIME`` as UNIX seconds."""
+        sec, usec = self._call("server_time", self._redis.time)
+        return int(sec) + int(usec) / 1e6
+
+    def ping(self) -> float:
+        """Round-trip time of a ``PING`` in seconds."""
+        t0 = self._now()
+        self._call("ping", self._redis.ping)
+        return self._now() - t0
+
+    def watch_free(self, name: str, timeout_s: float) -> bool:
+        """Wait for a release announcement of ``name``, polling ``holder`` every 0.25 s as a
+        fallback (expiry publishes nothing). True once it is seen free."""
+        deadline = self._now() + max(0.0, timeout_s)
+        with self._translate("watch_free"):
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self._channel)
+                self.round_trips += 1
+                while True:
+                    if self.holder(name) is None:
+                        return True
+                    left = deadline - self._now()
+                    if left <= 0:
+                        return False
+                    msg = pubsub.get_message(timeout=min(_POLL_S, left))
+                    if msg is not None and msg.get("data") == name:
+                        return True
+            finally:
+                with contextlib.suppress(Exception):
+                    pubsub.close()
+
+    def eviction_risk(self) -> str | None:
+        """Why lease or slot keys could be evicted (``maxmemory`` with an evicting policy)."""
+        info = self._call("INFO memory", self._redis.info, "memory")
+        maxmemory = int(info.get("maxmemory", 0) or 0)
+        policy = str(info.get("maxmemory_policy", "noeviction"))
+        if maxmemory > 0 and policy != "noeviction":
+            return (f"{self.url}: maxmemory is {maxmemory} bytes with maxmemory-policy {policy}; "
+                    f"lease and slot keys could be evicted (set maxmemory-policy noeviction)")
+        return None
+
+    def persistence(self) -> dict[str, Any]:
+        """``{"aof_enabled": bool, "rdb": bool | None}`` (``rdb`` None when ``CONFIG`` is
+        disabled), for the beat's warning that tokens and slot state may not survive a restart."""
+        info = self._call("INFO persistence", self._redis.info, "persistence")
+        rdb: bool | None
+        try:
+            config = self._call("CONFIG GET save", self._redis.config_get, "save")
+            rdb = bool((config or {}).get("save"))
+        except StoreError:  # CONFIG is often renamed away on managed Redis
+            rdb = None
+        return {"aof_enabled": bool(int(info.get("aof_enabled", 0) or 0)), "rdb": rdb}
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        with contextlib.suppress(Exception):
+            self._redis.close()
+
+    def __repr__(self) -> str:
+        return f"RedisLeaseStore({self.url!r}, namespace={self.namespace!r})"
+
+
+def _dumps(value: Mapping[str, Any], key: str) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise StoreDataError(f"value for {key!r} is not JSON-serializable: {exc}") from exc
+
+
+def _loads(raw: str, key: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except (TypeError, ValueError) as exc:
+        raise StoreDataError(f"key {key!r} holds non-JSON data: {raw[:80]!r}") from exc
+    if not isinstance(value, dict):
+        raise StoreDataError(f"key {key!r} holds {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
