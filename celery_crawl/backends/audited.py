@@ -1,0 +1,316 @@
+"""``AuditedRedisBackend``: Celery's Redis result backend with fencing and an audit stream.
+
+Celery's ``RedisBackend`` guards only SUCCESS, with a GET and then a SET in two round trips: a
+late STARTED or RETRY can overwrite a FAILURE, and a paused worker's stale result can overwrite a
+newer one. Here every state write is one Lua script (``store.lua``) that decides, stores and
+records in a single round trip:
+
+* precedence: a ready state (SUCCESS, FAILURE, REVOKED) is never replaced by a non-ready one; a
+  second ready write needs a higher claim token;
+* fencing: a write carrying an older claim token than the stored one is refused, and a write
+  without a token cannot overwrite a tokened result; with the Redis lease store on the same
+  server (same host, port and db) the token must also have been issued
+  (``token <= GET {namespace}:token``), otherwise only the order of tokens is enforced;
+* ``SET`` with the result expiry and the ``PUBLISH`` that ``AsyncResult.get()`` waits on;
+* ``XADD`` of an audit record (task, state, token, worker, digest, outcome, rollback) to the
+  stream ``{namespace}:audit``, capped with ``MAXLEN ~ crawl_audit_maxlen``.
+
+The write is idempotent on (task, token, state, digest): a write retried after a lost reply
+gets the first answer and adds no second record. The claim token is ``request.crawl_claim_token``
+(set by the worker plugin); the worker is ``request.hostname``.
+
+Results are JSON only, so that the stored value can be digested and inspected by
+``celery crawl audit``: another ``result_serializer`` or ``result_compression`` is a
+``ConfigError``, and a stored payload that is not JSON is refused with ``SerializationRefused``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from functools import cached_property
+from importlib import resources
+from typing import Any
+from urllib.parse import urlsplit
+
+from celery import states
+from celery.backends.redis import RedisBackend
+from celery.exceptions import BackendStoreError
+from kombu.utils.encoding import bytes_to_str
+
+from ..config import CrawlConfig, mask_url
+from ..errors import ConfigError, SerializationRefused
+
+__all__ = [
+    "OUTCOMES",
+    "AuditedRedisBackend",
+    "audit_stream_key",
+    "result_digest",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Outcomes recorded in the audit stream.
+OUTCOMES = ("written", "refused-stale", "refused-regression", "refused-unissued", "forgotten")
+
+_SCHEMES = {"crawlredis": "redis", "crawlrediss": "rediss"}
+_FENCE_PREFIX = "crawl-fence-"
+_IDEM_PREFIX = "crawl-idem:"
+_FORGOTTEN = "FORGOTTEN"
+
+
+def result_digest(encoded_meta: str | bytes) -> str:
+    """Digest of an encoded result meta *without* its ``date_done``.
+
+    ``date_done`` is left out so that a write rebuilt by celery's retry loop (same task, token,
+    state and value, a later ``date_done``) has the same digest and is recognised as a retry.
+    """
+    data = encoded_meta.encode() if isinstance(encoded_meta, str) else encoded_meta
+    return hashlib.blake2b(data, digest_size=10).hexdigest()
+
+
+def audit_stream_key(global_keyprefix: str, namespace: str) -> str:
+    """Physical key of a namespace's audit stream."""
+    return f"{global_keyprefix}{namespace}:audit"
+
+
+def _script(name: str) -> str:
+    return resources.files(__package__).joinpath(name).read_text()
+
+
+def _token_counter_key(namespace: str) -> str:
+    try:
+        from ..leases.redis import token_counter_key
+    except ImportError:  # the Redis lease driver is optional for a results-only deployment
+        return f"{namespace}:token"
+    return token_counter_key(namespace)
+
+
+def _claim_token(request: Any) -> int | None:
+    token = getattr(request, "crawl_claim_token", None) if request is not None else None
+    if token is None or isinstance(token, bool):
+        return None
+    try:
+        return int(token)
+    except (TypeError, ValueError):
+        logger.warning("ignoring malformed crawl_claim_token %r", token)
+        return None
+
+
+def _server_identity(host: object, port: object, db: object) -> tuple[str, int, int]:
+    name = str(host or "localhost").lower()
+    if name in ("localhost", "::1", "[::1]"):
+        name = "127.0.0.1"
+    return name, int(str(port or 6379)), int(str(db or 0).strip("/") or 0)
+
+
+class AuditedRedisBackend(RedisBackend):
+    """Redis result backend whose every state write is fenced, precedence-checked and audited.
+
+    URL grammar (``result_backend``)::
+
+        crawlredis://[user:password@]host[:port][/db]
+        crawlrediss://[user:password@]host[:port][/db]?ssl_cert_reqs=required&ssl_ca_certs=...
+        celery_crawl.backends:AuditedRedisBackend+redis://host:port/db   (or +rediss://)
+
+    ``crawlrediss`` is mapped to TLS explicitly: Celery switches TLS on only for ``rediss``.
+    Everything else (groups, chords, ``result_extended``, ``global_keyprefix``, ``get()``,
+    revoke, the connection retry policy) is Celery's own ``RedisBackend``.
+
+    Raises:
+        ConfigError: on a ``result_serializer`` other than ``json``, on ``result_compression``,
+            or on invalid ``crawl_*`` settings.
+    """
+
+    #: Results are stored as plain JSON text, to be digested and read by ``celery crawl audit``.
+    supports_result_compression = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        app = kwargs.get("app") or (args[0] if args else None)
+        if app is not None:
+            conf = app.conf
+            serializer = kwargs.get("serializer") or conf.result_serializer
+            if serializer != "json":
+                raise ConfigError(
+                    f"result_serializer: {serializer!r} is not supported by AuditedRedisBackend; "
+                    "results are audited and digested as JSON, set result_serializer = 'json'"
+                )
+            if conf.get("result_compression"):
+                raise ConfigError(
+                    "result_compression: not supported by AuditedRedisBackend; results are "
+                    "stored as JSON text so that `celery crawl audit` can read them"
+                )
+        super().__init__(*args, **kwargs)
+        self.crawl_config = CrawlConfig.from_app(self.app)
+        options = self.app.conf.get("result_backend_transport_options") or {}
+        prefix = options.get("global_keyprefix") or ""
+        if prefix and prefix[-1] not in ":_-.":
+            prefix += "_"
+        self.crawl_keyprefix: str = prefix
+        namespace = self.crawl_config.namespace
+        self.audit_key: str = audit_stream_key(prefix, namespace)
+        self.token_counter_key: str = _token_counter_key(namespace)
+        self.checks_token_issuance: bool = self._lease_store_is_here()
+
+    # -- URL ------------------------------------------------------------------------------------
+    def _params_from_url(self, url: str, defaults: dict[str, Any]) -> dict[str, Any]:
+        scheme, sep, rest = url.partition("://")
+        mapped = _SCHEMES.get(scheme)
+        if mapped is not None:
+            url = f"{mapped}{sep}{rest}"
+        params: dict[str, Any] = super()._params_from_url(url, defaults)
+        return params
+
+    def _lease_store_is_here(self) -> bool:
+        url = self.crawl_config.lease_url
+        if not url.startswith(("redis://", "rediss://")):
+            return False
+        params = self.connparams
+        if "host" not in params:  # unix socket: compare nothing, enforce order only
+            return False
+        try:
+            parts = urlsplit(url)
+            lease = _server_identity(parts.hostname, parts.port, parts.path or 0)
+        except ValueError as exc:
+            raise ConfigError(f"crawl_lease_url: cannot parse {mask_url(url)!r}: {exc}") from exc
+        return lease == _server_identity(params.get("host"), params.get("port"), params.get("db"))
+
+    # -- keys -----------------------------------------------------------------------------------
+    def fence_key(self, task_id: str) -> str:
+        """Fence record of one task (stored token, state, digest, last attempt)."""
+        return f"{self.crawl_keyprefix}{_FENCE_PREFIX}{task_id}"
+
+    @property
+    def fence_prefix(self) -> str:
+        """Prefix of every fence record (the task id follows)."""
+        return f"{self.crawl_keyprefix}{_FENCE_PREFIX}"
+
+    def idempotency_key(self, namespace: str, key: str) -> str:
+        """Record of one idempotency key (see ``celery_crawl.tasks``)."""
+        return f"{self.crawl_keyprefix}{_IDEM_PREFIX}{namespace}:{key}"
+
+    # -- scripts --------------------------------------------------------------------------------
+    @cached_property
+    def _store_script(self) -> Any:
+        return self.client.register_script(_script("store.lua"))
+
+    @cached_property
+    def idem_begin_script(self) -> Any:
+        """``idem_begin.lua`` registered on this backend's client."""
+        return self.client.register_script(_script("idem_begin.lua"))
+
+    @cached_property
+    def idem_update_script(self) -> Any:
+        """``idem_update.lua`` registered on this backend's client."""
+        return self.client.register_script(_script("idem_update.lua"))
+
+    # -- encoding -------------------------------------------------------------------------------
+    def decode(self, payload: Any) -> Any:
+        """Decode a stored JSON payload.
+
+        Raises:
+            SerializationRefused: the payload is not JSON (e.g. a pickle aimed at this backend).
+        """
+        if payload is None:
+            return None
+        raw = payload if isinstance(payload, bytes) else str(payload).encode()
+        if raw[:1] == b"\x80" or raw.lstrip()[:1] not in (b"{", b"["):
+            raise SerializationRefused(
+                "AuditedRedisBackend: refused a stored payload that is not JSON "
+                f"(starts with {raw[:8]!r}); only result_serializer='json' is accepted"
+            )
+        try:
+            return super().decode(payload)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SerializationRefused(
+                f"AuditedRedisBackend: refused a stored payload that is not valid JSON: {exc}"
+            ) from exc
+
+    def _get_result_meta(self, result: Any, state: str, traceback: Any, request: Any,
+                         format_date: bool = True, encode: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = super()._get_result_meta(
+            result, state, traceback, request, format_date=format_date, encode=encode)
+        token = _claim_token(request)
+        if token is not None:
+            meta["crawl_token"] = token
+        rollback = getattr(request, "crawl_rollback", None) if request is not None else None
+        if rollback:
+            meta["crawl_rollback"] = rollback
+        return meta
+
+    def encode_meta(self, meta: dict[str, Any]) -> tuple[str, str]:
+        """Encode a result meta; returns ``(stored value, digest)``.
+
+        ``date_done`` is spliced in last, after the digest was taken over the rest, so one
+        encoding serves both (see ``result_digest``).
+        """
+        body = dict(meta)
+        date_done = body.pop("date_done", None)
+        encoded = bytes_to_str(self.encode(body))
+        digest = result_digest(encoded)
+        if not encoded.endswith("}"):
+            raise BackendStoreError("result meta did not encode to a JSON object")
+        sep = ", " if len(encoded) > 2 else ""
+        value = f'{encoded[:-1]}{sep}"date_done": {json.dumps(date_done)}}}'
+        return value, digest
+
+    def stored_digest(self, value: bytes | str) -> str:
+        """Digest of a stored result, computed as at write time (for ``audit verify``)."""
+        meta = self.decode(value)
+        if not isinstance(meta, dict):
+            raise SerializationRefused("stored result is not a JSON object")
+        meta.pop("date_done", None)
+        return result_digest(bytes_to_str(self.encode(meta)))
+
+    # -- writes ---------------------------------------------------------------------------------
+    def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
+                      request: Any = None, **kwargs: Any) -> Any:
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
+                                     request=request)
+        meta["task_id"] = bytes_to_str(task_id)
+        value, digest = self.encode_meta(meta)
+        if len(value) > self._MAX_STR_VALUE_SIZE:
+            raise BackendStoreError("value too large for Redis backend", state=state,
+                                    task_id=task_id)
+        token = _claim_token(request)
+        worker = getattr(request, "hostname", None) if request is not None else None
+        rollback = getattr(request, "crawl_rollback", None) if request is not None else None
+        expires = self.failure_expires if state == states.FAILURE else self.expires
+        outcome = self.write_state(
+            task_id, value, state, token=token, digest=digest, worker=worker or "",
+            rollback=rollback or "", expires_s=int(expires or 0))
+        if outcome != "written":
+            logger.warning("result of task %s (%s, token %s) %s", task_id, state, token, outcome)
+        return result
+
+    def write_state(self, task_id: str, value: str, state: str, *, token: int | None,
+                    digest: str, worker: str = "", rollback: str = "",
+                    expires_s: int = 0) -> str:
+        """Run the store script (one round trip, retried on connection errors).
+
+        Returns:
+            The audited outcome: ``written``, ``refused-stale``, ``refused-regression`` or
+            ``refused-unissued``.
+        """
+        keys = [bytes_to_str(self.get_key_for_task(task_id)), self.fence_key(task_id),
+                self.audit_key, self.token_counter_key]
+        args = [value, state, "1" if state in states.READY_STATES else "0",
+                "" if token is None else str(token), digest, expires_s,
+                self.crawl_config.audit_maxlen, worker, rollback,
+                "1" if self.checks_token_issuance else "0", task_id]
+        reply = self.ensure(self._run_store, (keys, args))
+        return bytes_to_str(reply[0])
+
+    def _run_store(self, keys: list[str], args: list[Any]) -> Any:
+        return self._store_script(keys=keys, args=args, client=self.client)
+
+    def _forget(self, task_id: str) -> None:
+        # Forgetting is recorded, so that `audit verify` expects the result to be gone.
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(self.get_key_for_task(task_id), self.fence_key(task_id))
+            pipe.xadd(self.audit_key, {
+                "task": task_id, "state": _FORGOTTEN, "token": "", "worker": "", "digest": "",
+                "outcome": "forgotten", "rollback": "",
+            }, maxlen=self.crawl_config.audit_maxlen, approximate=True)
+            pipe.execute()

@@ -1,0 +1,53 @@
+-- Decide whether a run of an idempotency key may start, atomically taking the key when it may.
+--
+-- KEYS: 1 the key's record (hash)
+-- ARGV: 1 task id, 2 claim token ('' = none), 3 run id (unique per run), 4 heartbeat TTL (ms),
+--       5 record expiry (s, 0 = none), 6 prefix of fence records (+ task id)
+-- Record fields: task, token, owner, hb (server ms until which the owner counts as alive),
+--   rbp (token whose final-failure rollback is pending), exc (that failure, JSON),
+--   fin (outcome of that rollback: done | failed), rb:<token> (pending | done | failed).
+-- Returns {decision, task id of the record, extra}:
+--   run            no live run: this run now owns the key
+--   rollback       a final-failure rollback was left unfinished by a dead run: finish it (extra: exc)
+--   finished       the owning task reached a ready state: replay it
+--   finished-rb    the owning task failed and rolled back (extra: fin) but may not have stored it
+--   duplicate      this same task id is running elsewhere
+--   busy           another task holds this key and is alive
+local ekey = KEYS[1]
+local task, token, owner = ARGV[1], ARGV[2], ARGV[3]
+local hb_ms, keep_s, fprefix = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local function take(decision, extra)
+  redis.call('HSET', ekey, 'task', task, 'token', token, 'owner', owner, 'hb', now + hb_ms)
+  if keep_s > 0 then redis.call('EXPIRE', ekey, keep_s) end
+  return {decision, task, extra}
+end
+
+local e = redis.call('HMGET', ekey, 'task', 'token', 'owner', 'hb', 'rbp', 'exc', 'fin')
+if not e[1] then return take('run', '') end
+local etask, etoken, ehb = e[1], e[2] or '', tonumber(e[4] or '0')
+local rbp, exc, fin = e[5], e[6] or '', e[7]
+
+if fin then
+  if redis.call('HGET', fprefix .. etask, 'ready') == '1' then return {'finished', etask, fin} end
+  return {'finished-rb', etask, fin, exc}
+end
+if redis.call('HGET', fprefix .. etask, 'ready') == '1' and not rbp then
+  return {'finished', etask, ''}
+end
+
+local alive = ehb > now
+-- A newer claim token for the same task id is only issued once the older claim is dead.
+local newer = task == etask and token ~= '' and etoken ~= '' and tonumber(token) > tonumber(etoken)
+if not alive or newer then
+  if rbp then
+    -- Finish the dead run's rollback under its own token; the record stays that task's.
+    redis.call('HSET', ekey, 'token', token, 'owner', owner, 'hb', now + hb_ms)
+    return {'rollback', etask, exc, rbp}
+  end
+  return take('run', '')
+end
+if task == etask then return {'duplicate', etask, ''} end
+return {'busy', etask, ''}

@@ -1,0 +1,77 @@
+-- One state write of the audited result backend: precedence, fencing, SET with expiry, PUBLISH
+-- and the audit XADD, in one round trip.
+--
+-- KEYS: 1 result key, 2 fence record (hash), 3 audit stream, 4 lease store's token counter
+-- ARGV: 1 encoded meta, 2 state, 3 ready ('1' | '0'), 4 claim token ('' = none), 5 digest,
+--       6 expiry seconds (0 = none), 7 stream MAXLEN (approximate), 8 worker, 9 rollback outcome,
+--       10 check token issuance ('1' | '0'), 11 task id
+-- Returns {outcome, replayed (1 when this exact attempt was answered before)}.
+local rkey, fkey, skey, ckey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local value, state, ready, token, digest = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local expires, maxlen = tonumber(ARGV[6]), ARGV[7]
+local worker, rollback, check, task = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+
+-- A retried write (celery's ensure() after a lost reply) gets the first answer, and no second
+-- audit record.
+local attempt = token .. '|' .. state .. '|' .. digest
+local cur = redis.call('HMGET', fkey, 'token', 'state', 'ready', 'last', 'outcome')
+if cur[4] == attempt then
+  return {cur[5], 1}
+end
+
+local cur_token, cur_ready = cur[1], cur[3]
+if not cur[2] then
+  -- No fence record: nothing stored yet, or a result written by a stock backend.
+  cur_token = false
+  cur_ready = '0'
+  local old = redis.call('GET', rkey)
+  if old then
+    local ok, meta = pcall(cjson.decode, old)
+    if ok and type(meta) == 'table' then
+      local s = meta['status']
+      if s == 'SUCCESS' or s == 'FAILURE' or s == 'REVOKED' then cur_ready = '1' end
+    end
+  end
+end
+
+local ntoken = nil
+if token ~= '' then ntoken = tonumber(token) end
+local ctoken = nil
+if cur_token and cur_token ~= '' then ctoken = tonumber(cur_token) end
+
+local outcome = 'written'
+if check == '1' and ntoken then
+  local issued = tonumber(redis.call('GET', ckey) or '')
+  if not issued or ntoken > issued then outcome = 'refused-unissued' end
+end
+if outcome == 'written' then
+  if ctoken and (not ntoken or ntoken < ctoken) then
+    outcome = 'refused-stale'
+  elseif cur_ready == '1' then
+    if ready ~= '1' then
+      outcome = 'refused-regression'
+    elseif not ntoken or (ctoken and ntoken <= ctoken) then
+      outcome = 'refused-stale'
+    end
+  end
+end
+
+if outcome == 'written' then
+  if expires > 0 then
+    redis.call('SET', rkey, value, 'EX', expires)
+  else
+    redis.call('SET', rkey, value)
+  end
+  redis.call('PUBLISH', rkey, value)
+  redis.call('HSET', fkey, 'token', token, 'state', state, 'ready', ready, 'digest', digest,
+             'last', attempt, 'outcome', outcome)
+  if expires > 0 then redis.call('EXPIRE', fkey, expires) else redis.call('PERSIST', fkey) end
+else
+  redis.call('HSET', fkey, 'last', attempt, 'outcome', outcome)
+  if expires > 0 and redis.call('TTL', fkey) == -1 then redis.call('EXPIRE', fkey, expires) end
+end
+
+redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', 'task', task, 'state', state,
+           'token', token, 'worker', worker, 'digest', digest, 'outcome', outcome,
+           'rollback', rollback)
+return {outcome, 0}
