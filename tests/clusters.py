@@ -69,6 +69,14 @@ class RedisReplicaPair:
         """Replicas the primary currently sees connected (what ``WAIT`` can count on)."""
         return int(self.primary.client().info("replication").get("connected_slaves", 0))
 
+    def cut_link(self) -> None:
+        """Cut the replication link (a partition between the two): the replica keeps its data,
+        stays read-only and stops receiving writes. A stopped replica process would not do:
+        the kernel keeps buffering the stream and the replica applies it when it resumes."""
+        dead = free_port()
+        self.replica.client().execute_command("REPLICAOF", "127.0.0.1", str(dead))
+        wait_until(lambda: self.replica_count() == 0, 10, what="primary to drop its replica")
+
     def promote(self) -> None:
         """``REPLICAOF NO ONE`` on the replica; the old primary is left as it is."""
         self.replica.client().execute_command("REPLICAOF", "NO", "ONE")
