@@ -3,17 +3,19 @@
 -- ARGV[1] lease name, ARGV[2] holder, ARGV[3] lease token, ARGV[4] namespace prefix ("ns:"),
 -- ARGV[5..] claim values (JSON), one per claim key
 -- Returns {-1} when the lease is not held, else {1, t1, t2, ...} with 0 for a refused claim.
+-- A claim is alive iff its lease key holds the claim's holder AND lease token: a lease that
+-- expired and was re-taken by the same holder is a new lease and does not revive old claims.
 -- The previous claimant's lease key is derived from the claim (Redis Cluster is not supported).
 if not lease_is(KEYS[1], ARGV[2], ARGV[3]) then return {-1} end
 local out = {1}
 local granted = 0
 for i = 5, #KEYS do
   local ck = KEYS[i]
-  local prev = redis.call('HMGET', ck, 'lease', 'holder')
+  local prev = redis.call('HMGET', ck, 'lease', 'holder', 'ltoken')
   local free = true
   if prev[1] then
-    local plk = ARGV[4] .. 'lease:' .. prev[1]
-    if redis.call('HGET', plk, 'holder') == prev[2] then
+    local cur = redis.call('HMGET', ARGV[4] .. 'lease:' .. prev[1], 'holder', 'token')
+    if cur[1] == prev[2] and cur[2] == prev[3] then
       free = false
     else
       redis.call('SREM', ARGV[4] .. 'claims-of:' .. prev[1], ck)
@@ -25,7 +27,8 @@ for i = 5, #KEYS do
   if free then
     local token = next_token(KEYS[2])
     redis.call('DEL', ck)
-    redis.call('HSET', ck, 'lease', ARGV[1], 'holder', ARGV[2], 'token', token, 'value', ARGV[i])
+    redis.call('HSET', ck, 'lease', ARGV[1], 'holder', ARGV[2], 'ltoken', ARGV[3],
+               'token', token, 'value', ARGV[i])
     redis.call('SADD', KEYS[3], ck)
     out[#out + 1] = token
     if granted == 0 then granted = token end

@@ -6,10 +6,11 @@ local keys = KEYS
 if ARGV[2] ~= '' then keys = redis.call('SMEMBERS', ARGV[2]) end
 local out = {}
 for _, ck in ipairs(keys) do
-  local c = redis.call('HMGET', ck, 'lease', 'holder', 'token', 'value')
+  local c = redis.call('HMGET', ck, 'lease', 'holder', 'token', 'value', 'ltoken')
   if c[1] then
     local alive = 0
-    if redis.call('HGET', ARGV[1] .. 'lease:' .. c[1], 'holder') == c[2] then alive = 1 end
+    local cur = redis.call('HMGET', ARGV[1] .. 'lease:' .. c[1], 'holder', 'token')
+    if cur[1] == c[2] and cur[2] == c[5] then alive = 1 end
     out[#out + 1] = ck
     out[#out + 1] = c[1]
     out[#out + 1] = c[2]

@@ -15,8 +15,9 @@ Physical layout, every key prefixed ``"{namespace}:"``:
   missing, so tokens never go backwards after a restart without persistence or a failover. The
   audited result backend relies on "token ``t`` was issued iff ``t <= GET {namespace}:token``".
 * ``lease:<name>`` — hash ``{holder, token}`` with a millisecond ``PEXPIRE``.
-* ``claim:<key>`` — hash ``{lease, holder, token, value}``, no TTL: a claim is alive exactly while
-  ``lease:<lease>`` exists with the same holder, so renewal touches only the lease key.
+* ``claim:<key>`` — hash ``{lease, holder, ltoken, token, value}``, no TTL: a claim is alive
+  exactly while ``lease:<lease>`` exists with the same holder and lease token (``ltoken``), so
+  renewal touches only the lease key, and a lease re-taken later never revives old claims.
 * ``claims-of:<lease>`` — set of claim keys bound to a lease; ``claim-leases`` — zset of lease
   names having claims (score: first claim token) — so ``claims_of`` and ``orphaned_claims``
   never scan the keyspace.
@@ -388,7 +389,7 @@ class RedisLeaseStore:
         reply, _ = self._eval(
             "unclaim",
             [self._k("claim", key), self._k("claims-of", lease.name), self._index_key],
-            [lease.name, lease.holder, ""],
+            [lease.name, lease.holder, "unclaim", lease.token, self._prefix],
         )
         return bool(reply)
 
@@ -409,7 +410,7 @@ class RedisLeaseStore:
             "unclaim",
             [self._k("claim", claim.key), self._k("claims-of", claim.lease_name),
              self._index_key],
-            [claim.lease_name, claim.holder, claim.token],
+            [claim.lease_name, claim.holder, "drop", claim.token, self._prefix],
         )
         return bool(reply)
 
