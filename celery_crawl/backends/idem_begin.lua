@@ -2,7 +2,8 @@
 --
 -- KEYS: 1 the key's record (hash)
 -- ARGV: 1 task id, 2 claim token ('' = none), 3 run id (unique per run), 4 heartbeat TTL (ms),
---       5 record expiry (s, 0 = none), 6 prefix of fence records (+ task id)
+--       5 record expiry (s, 0 = none), 6 prefix of fence records (+ task id),
+--       7 force ('1': treat a live owner as dead; for a poisoned task the worker gave up on)
 -- Record fields: task, token, owner, hb (server ms until which the owner counts as alive),
 --   rbp (token whose final-failure rollback is pending), exc (that failure, JSON),
 --   fin (outcome of that rollback: done | failed), rb:<token> (pending | done | failed).
@@ -16,6 +17,7 @@
 local ekey = KEYS[1]
 local task, token, owner = ARGV[1], ARGV[2], ARGV[3]
 local hb_ms, keep_s, fprefix = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local force = ARGV[7] == '1'
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
@@ -38,7 +40,7 @@ if redis.call('HGET', fprefix .. etask, 'ready') == '1' and not rbp then
   return {'finished', etask, ''}
 end
 
-local alive = ehb > now
+local alive = ehb > now and not force
 -- A newer claim token for the same task id is only issued once the older claim is dead.
 local newer = task == etask and token ~= '' and etoken ~= '' and tonumber(token) > tonumber(etoken)
 if not alive or newer then

@@ -1,0 +1,148 @@
+"""Bookkeeping of idempotency keys on the result backend's Redis (``idem_*.lua``).
+
+One hash per key records which task owns it, the owner run's heartbeat (server time), and the
+rollback state per claim token. "Finished" is not stored here: a key is finished when the fence
+record of its owning task says a ready state was written (``store.lua``), so a run killed after
+storing its result but before any further bookkeeping still counts as finished.
+
+Pool children use this, as Celery always lets them use the result backend; only the lease store
+is main-process-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import TYPE_CHECKING, Any
+
+from kombu.utils.encoding import bytes_to_str
+
+if TYPE_CHECKING:
+    from .audited import AuditedRedisBackend
+
+__all__ = ["Decision", "Heartbeat", "KeyLedger"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What ``KeyLedger.begin`` decided.
+
+    Attributes:
+        kind: ``run``, ``rollback``, ``finished``, ``finished-rb``, ``duplicate`` or ``busy``.
+        task_id: the task id the key's record belongs to.
+        extra: ``rollback``/``finished-rb``: the stored failure (JSON); ``finished``: the
+            final rollback outcome if any.
+        rollback_token: ``rollback``: the claim token whose rollback is pending ("" = none).
+        rollback_status: ``finished-rb``: ``done`` or ``failed``.
+    """
+
+    kind: str
+    task_id: str
+    extra: str = ""
+    rollback_token: str = ""
+    rollback_status: str = ""
+
+
+class KeyLedger:
+    """Atomic operations on one idempotency key's record.
+
+    Args:
+        backend: the audited result backend whose Redis holds the record.
+        namespace: ``crawl_namespace``.
+        key: the idempotency key.
+        heartbeat_ttl_s: a run whose heartbeat is older than this counts as dead.
+    """
+
+    def __init__(self, backend: AuditedRedisBackend, namespace: str, key: str,
+                 heartbeat_ttl_s: float) -> None:
+        self.backend = backend
+        self.key = key
+        self.record_key = backend.idempotency_key(namespace, key)
+        self.heartbeat_ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
+        self.keep_s = int(backend.expires or 0)
+        if self.keep_s:
+            # The record must outlive a run that is still heart-beating.
+            self.keep_s = max(self.keep_s, int(heartbeat_ttl_s * 3) + 1)
+
+    def _call(self, script: Any, args: list[Any]) -> Any:
+        return self.backend.ensure(
+            lambda: script(keys=[self.record_key], args=args, client=self.backend.client), ())
+
+    def begin(self, task_id: str, token: str, run_id: str, *, force: bool = False) -> Decision:
+        """Decide whether this run may start; takes the key when it may (``run``/``rollback``)."""
+        reply = self._call(self.backend.idem_begin_script, [
+            task_id, token, run_id, self.heartbeat_ttl_ms, self.keep_s,
+            self.backend.fence_prefix, "1" if force else "0",
+        ])
+        parts = [bytes_to_str(p) for p in reply] + ["", "", ""]
+        kind, owner_task = parts[0], parts[1]
+        if kind == "rollback":
+            return Decision(kind, owner_task, extra=parts[2], rollback_token=parts[3])
+        if kind == "finished-rb":
+            return Decision(kind, owner_task, extra=parts[3], rollback_status=parts[2])
+        return Decision(kind, owner_task, extra=parts[2])
+
+    def touch(self, run_id: str) -> bool:
+        """Extend this run's heartbeat; False when another run owns the key (we are fenced)."""
+        return bool(self._call(self.backend.idem_update_script,
+                               ["touch", run_id, self.heartbeat_ttl_ms]))
+
+    def release(self, run_id: str) -> bool:
+        """Drop the record (the run will be retried); False when another run owns the key."""
+        return bool(self._call(self.backend.idem_update_script,
+                               ["release", run_id, self.heartbeat_ttl_ms]))
+
+    def rollback_begin(self, run_id: str, token: str, *, final: bool, failure: str) -> str:
+        """Mark the rollback for ``token`` pending.
+
+        Returns:
+            ``go``; ``done`` when it already completed for this (key, token); ``fenced`` when a
+            final-failure rollback is asked by a run that no longer owns the key.
+        """
+        return bytes_to_str(self._call(self.backend.idem_update_script, [
+            "rb_begin", run_id, self.heartbeat_ttl_ms, token, "1" if final else "0", failure]))
+
+    def rollback_end(self, run_id: str, token: str, *, final: bool, status: str) -> None:
+        """Record the rollback outcome for ``token`` (``done`` or ``failed``)."""
+        self._call(self.backend.idem_update_script, [
+            "rb_end", run_id, self.heartbeat_ttl_ms, token, "1" if final else "0", status])
+
+    def record(self) -> dict[str, str]:
+        """The raw record (for tests and operators)."""
+        raw = self.backend.client.hgetall(self.record_key)
+        return {bytes_to_str(k): bytes_to_str(v) for k, v in raw.items()}
+
+
+class Heartbeat:
+    """Keeps a run's ownership of its key alive from a daemon thread (every ttl/3).
+
+    A run that stops beating (killed, frozen) loses the key once the TTL passes; the next
+    delivery then takes it over, and the frozen run finds itself fenced when it resumes.
+    """
+
+    def __init__(self, ledger: KeyLedger, run_id: str) -> None:
+        self._ledger = ledger
+        self._run_id = run_id
+        self._stop = threading.Event()
+        self.fenced = False
+        self._thread = threading.Thread(target=self._loop, name="crawl-idem-heartbeat",
+                                        daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        interval = self._ledger.heartbeat_ttl_ms / 3000.0
+        while not self._stop.wait(interval):
+            try:
+                if not self._ledger.touch(self._run_id):
+                    self.fenced = True
+                    return
+            except Exception:  # a transient Redis error: the next beat retries
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

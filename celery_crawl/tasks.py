@@ -1,0 +1,429 @@
+"""``IdempotentTask`` (idempotency keys, rollback) and deadline propagation.
+
+Idempotency: a task's key (``idempotency_key``; by default its task id) may run once. A key whose
+run reached a ready state replays that outcome without running again (returns the result, or
+re-raises the stored failure); a key running elsewhere is not run concurrently: a second delivery
+of the *same task id* is dropped (``Ignore``: the running copy will store the result), another
+task id holding the same key is retried later (``self.retry`` with a countdown, not counted
+against ``max_retries``). The bookkeeping lives on the result backend's Redis
+(``celery_crawl.backends.ledger``), which must be ``AuditedRedisBackend``.
+
+Rollback: ``rollback(self, exc, task_id, args, kwargs)`` completes at most once per
+(key, claim token), after a final failure (not on retries) or when the run was fenced (a newer
+run took the key over while this one was frozen). A failing rollback is retried with backoff in
+process; a killed one is finished by the next delivery of the task. Rollbacks must therefore be
+idempotent. The outcome (``ROLLED_BACK`` / ``ROLLBACK_FAILED``) is stored in the result meta
+(``crawl_rollback``) and in the audit record.
+
+Deadlines: a task may carry an absolute UTC deadline (``deadline=`` call option on
+``IdempotentTask``, the ``crawl_deadline`` message header on any task, or inherited from the task
+that publishes it). ``self.remaining()`` gives the time left. Every task published from inside a
+task with a deadline (``apply_async``, chains, groups, chords) gets the deadline header, an
+``expires`` no later than the deadline and time limits (``timelimit``; enforced by the prefork
+pool, ignored by others) no longer than the time left, so a chain never outlives its caller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from celery import Task, current_task
+from celery.app.task import Context
+from celery.exceptions import Ignore, Reject, Retry
+from celery.signals import before_task_publish
+
+from .backends.audited import AuditedRedisBackend, _claim_token
+from .backends.ledger import Heartbeat, KeyLedger
+from .errors import ConfigError, CrawlError, FencedError
+
+__all__ = [
+    "DEADLINE_HEADER",
+    "IDEMPOTENCY_HEADER",
+    "ROLLBACK_FAILED",
+    "ROLLED_BACK",
+    "IdempotentTask",
+    "PoisonedTask",
+    "current_deadline",
+    "deadline_headers",
+    "parse_deadline",
+    "remaining",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Message header holding a task's absolute deadline (ISO 8601, UTC).
+DEADLINE_HEADER = "crawl_deadline"
+#: Message header holding an explicit idempotency key.
+IDEMPOTENCY_HEADER = "idempotency_key"
+#: Rollback outcomes, as stored in the result meta (``crawl_rollback``) and the audit stream.
+ROLLED_BACK = "ROLLED_BACK"
+ROLLBACK_FAILED = "ROLLBACK_FAILED"
+
+#: Fraction of the time left given to a subtask's soft time limit (the hard one gets all of it).
+_SOFT_FRACTION = 0.9
+_MIN_LIMIT_S = 0.01
+
+
+class PoisonedTask(CrawlError):
+    """A task was delivered ``crawl_max_deliveries`` times without finishing; it is failed."""
+
+
+def _boottime() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+# -- deadlines -------------------------------------------------------------------------------
+def parse_deadline(value: object) -> datetime:
+    """An aware UTC datetime from a datetime, an ISO 8601 string or epoch seconds.
+
+    Raises:
+        ConfigError: naming ``deadline`` for a naive datetime or an unreadable value.
+    """
+    if isinstance(value, datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ConfigError(f"deadline: {value!r} is naive; give an aware UTC datetime")
+        return value.astimezone(UTC)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return datetime.fromtimestamp(float(value), UTC)
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value)
+        except ValueError as exc:
+            raise ConfigError(f"deadline: {value!r} is not an ISO 8601 time") from exc
+        return parse_deadline(parsed)
+    raise ConfigError(f"deadline: expected a datetime, ISO string or epoch seconds, got {value!r}")
+
+
+def deadline_headers(deadline: object) -> dict[str, str]:
+    """Message headers giving any task a deadline: ``apply_async(headers=deadline_headers(d))``."""
+    return {DEADLINE_HEADER: parse_deadline(deadline).isoformat()}
+
+
+def _request_deadline(request: Any) -> datetime | None:
+    raw = getattr(request, DEADLINE_HEADER, None) if request is not None else None
+    return _header_deadline(raw)
+
+
+def _header_deadline(raw: object) -> datetime | None:
+    if raw is None:
+        return None
+    try:
+        return parse_deadline(raw)
+    except ConfigError:
+        logger.warning("ignoring malformed %s header %r", DEADLINE_HEADER, raw)
+        return None
+
+
+def current_deadline() -> datetime | None:
+    """The deadline of the task running in this thread, if it has one."""
+    task = current_task
+    if task is None or not getattr(task, "request", None):
+        return None
+    return _request_deadline(task.request)
+
+
+def remaining(request: Any = None) -> float | None:
+    """Seconds left before the deadline of ``request`` (default: the current task's), or None.
+
+    Inside ``IdempotentTask`` the deadline is pinned to ``CLOCK_BOOTTIME`` when the run starts,
+    so a wall-clock step during the run does not change the answer.
+    """
+    if request is None:
+        task = current_task
+        request = getattr(task, "request", None) if task is not None else None
+    if request is None:
+        return None
+    pinned = getattr(request, "crawl_deadline_boot", None)
+    if pinned is not None:
+        return float(pinned) - _boottime()
+    deadline = _request_deadline(request)
+    if deadline is None:
+        return None
+    return (deadline - datetime.now(UTC)).total_seconds()
+
+
+def _apply_deadline(headers: dict[str, Any], deadline: datetime) -> None:
+    headers[DEADLINE_HEADER] = deadline.isoformat()
+    expires = headers.get("expires")
+    current = None
+    if expires:
+        try:
+            current = parse_deadline(expires)
+        except ConfigError:
+            current = None
+    if current is None or current > deadline:
+        headers["expires"] = deadline.isoformat()
+    left = max((deadline - datetime.now(UTC)).total_seconds(), _MIN_LIMIT_S)
+    hard, soft = [*(headers.get("timelimit") or ()), None, None][:2]
+    hard = left if hard is None else min(float(hard), left)
+    soft_cap = max(left * _SOFT_FRACTION, _MIN_LIMIT_S)
+    soft = soft_cap if soft is None else min(float(soft), soft_cap)
+    headers["timelimit"] = [hard, soft]
+
+
+@before_task_publish.connect(weak=False, dispatch_uid="celery_crawl.tasks.propagate_deadline")
+def _propagate_deadline(sender: Any = None, headers: dict[str, Any] | None = None,
+                        **_: Any) -> None:
+    """Give every published task its own or its publisher's deadline as expires/time limits."""
+    if headers is None or "task" not in headers:  # protocol 1 or not a task message
+        return
+    own = _header_deadline(headers.get(DEADLINE_HEADER))
+    inherited = current_deadline()
+    deadline = min((d for d in (own, inherited) if d is not None), default=None)
+    if deadline is not None:
+        _apply_deadline(headers, deadline)
+
+
+# -- the task base ---------------------------------------------------------------------------
+class IdempotentTask(Task):  # type: ignore[misc]
+    """Task base with idempotency keys, at-most-once rollback and deadlines.
+
+    Use as ``@app.task(base=IdempotentTask)``. Requires ``AuditedRedisBackend``
+    (``result_backend = "crawlredis://..."``) and stored results (not ``ignore_result``).
+
+    Attributes:
+        idempotency_heartbeat_ttl_s: a run that has not beaten for this long counts as dead
+            (default ``crawl_worker_lease_ttl``).
+        idempotency_busy_countdown_s: retry delay when another task holds the key.
+        rollback_max_attempts: in-process attempts of a failing rollback.
+        rollback_backoff_s: first backoff between attempts (doubling, capped).
+        rollback_backoff_max_s: cap of the backoff.
+    """
+
+    idempotency_heartbeat_ttl_s: float | None = None
+    idempotency_busy_countdown_s: float = 1.0
+    rollback_max_attempts: int = 5
+    rollback_backoff_s: float = 0.5
+    rollback_backoff_max_s: float = 10.0
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def idempotency_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The key of this run: the ``idempotency_key`` option/header, else the task id.
+
+        Override to derive it from the arguments (e.g. ``f"crawl:{url}:{day}"``).
+        """
+        explicit = getattr(self.request, IDEMPOTENCY_HEADER, None)
+        return str(explicit) if explicit else str(self.request.id)
+
+    def rollback(self, exc: BaseException, task_id: str, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        """Undo this run's side effects. Must be idempotent: a killed rollback is run again.
+
+        Called after a final failure (not on retries) or when the run was fenced. The default
+        does nothing and is not recorded.
+        """
+
+    # -- calling --------------------------------------------------------------------------------
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
+                    producer: Any = None, link: Any = None, link_error: Any = None,
+                    shadow: str | None = None, **options: Any) -> Any:
+        """``Task.apply_async`` with two more options.
+
+        Args:
+            deadline: absolute deadline (aware datetime, ISO string or epoch seconds).
+            idempotency_key: explicit key for this call.
+        """
+        deadline = options.pop("deadline", None)
+        key = options.pop("idempotency_key", None)
+        if deadline is not None or key is not None:
+            headers = dict(options.pop("headers", None) or {})
+            if deadline is not None:
+                headers.update(deadline_headers(deadline))
+            if key is not None:
+                headers[IDEMPOTENCY_HEADER] = str(key)
+            options["headers"] = headers
+        return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
+                                   **options)
+
+    def remaining(self) -> float | None:
+        """Seconds left before this run's deadline (None without one)."""
+        return remaining(self.request)
+
+    # -- running --------------------------------------------------------------------------------
+    def _audited_backend(self) -> AuditedRedisBackend:
+        backend = self.backend
+        if not isinstance(backend, AuditedRedisBackend):
+            raise ConfigError(
+                f"result_backend: IdempotentTask {self.name} needs AuditedRedisBackend "
+                f"(crawlredis://...), got {type(backend).__name__}")
+        return backend
+
+    def _ledger(self, key: str) -> KeyLedger:
+        backend = self._audited_backend()
+        config = backend.crawl_config
+        ttl = self.idempotency_heartbeat_ttl_s or config.worker_lease_ttl_s
+        return KeyLedger(backend, config.namespace, key, ttl)
+
+    def _has_rollback(self) -> bool:
+        return type(self).rollback is not IdempotentTask.rollback
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        deadline = _request_deadline(request)
+        if deadline is not None:
+            request.crawl_deadline_boot = (
+                _boottime() + (deadline - datetime.now(UTC)).total_seconds())
+        if request.called_directly or request.is_eager:
+            return self.run(*args, **kwargs)
+        ledger = self._ledger(self.idempotency_key(args, kwargs))
+        token = _claim_token(request)
+        tok = "" if token is None else str(token)
+        run_id = uuid.uuid4().hex
+        decision = ledger.begin(str(request.id), tok, run_id)
+        if decision.kind != "run":
+            return self._not_run(decision, ledger, run_id, args, kwargs)
+
+        heartbeat = Heartbeat(ledger, run_id).start()
+        try:
+            try:
+                result = self.run(*args, **kwargs)
+            except (Retry, Ignore, Reject):
+                ledger.release(run_id)
+                raise
+            except Exception as exc:
+                outcome = self._roll_back(ledger, run_id, tok, exc, args, kwargs, final=True)
+                if outcome:
+                    request.crawl_rollback = outcome
+                raise
+            if heartbeat.fenced or not ledger.touch(run_id):
+                exc = FencedError(
+                    f"task {request.id}: idempotency key {ledger.key!r} was taken over by a "
+                    "newer run while this one ran; its result is discarded")
+                outcome = self._roll_back(ledger, run_id, tok, exc, args, kwargs, final=False)
+                if outcome:
+                    request.crawl_rollback = outcome
+                raise exc
+            return result
+        finally:
+            heartbeat.stop()
+
+    def _not_run(self, decision: Any, ledger: KeyLedger, run_id: str,
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        request = self.request
+        kind = decision.kind
+        if kind == "finished":
+            if decision.task_id == request.id:
+                raise Ignore()  # a late duplicate: the stored result stands
+            return self._replay(decision.task_id)
+        if kind == "finished-rb":
+            request.crawl_rollback = _outcome_label(decision.rollback_status)
+            if decision.task_id != request.id:
+                meta = self.backend.get_task_meta(decision.task_id, cache=False)
+                if meta.get("status") in self.backend.READY_STATES:
+                    return self._replay(decision.task_id)
+            raise self._failure_from_json(decision.extra)
+        if kind == "rollback":
+            exc = self._failure_from_json(decision.extra)
+            heartbeat = Heartbeat(ledger, run_id).start()
+            try:
+                outcome = self._roll_back(ledger, run_id, decision.rollback_token, exc, args,
+                                          kwargs, final=True)
+            finally:
+                heartbeat.stop()
+            if outcome:
+                request.crawl_rollback = outcome
+            raise exc
+        if kind == "duplicate":
+            logger.info("task %s: already running elsewhere; dropping this delivery", request.id)
+            raise Ignore()
+        # busy: another task id holds the key and is alive.
+        raise self.retry(countdown=self.idempotency_busy_countdown_s, max_retries=math.inf)
+
+    def _replay(self, task_id: str) -> Any:
+        meta = self.backend.get_task_meta(task_id, cache=False)
+        status = meta.get("status")
+        if meta.get("crawl_rollback"):
+            self.request.crawl_rollback = meta["crawl_rollback"]
+        if status == "SUCCESS":
+            return meta.get("result")
+        result = meta.get("result")
+        if isinstance(result, BaseException):
+            raise result
+        raise PoisonedTask(f"replayed task {task_id} ended {status} without a stored exception")
+
+    def _failure_json(self, exc: BaseException) -> str:
+        return json.dumps(self.backend.prepare_exception(exc, "json"), default=repr)
+
+    def _failure_from_json(self, text: str) -> BaseException:
+        try:
+            exc = self.backend.exception_to_python(json.loads(text))
+        except Exception as err:  # an unreadable record must still fail the task clearly
+            return PoisonedTask(f"stored failure could not be restored ({err}): {text[:200]}")
+        return exc if isinstance(exc, BaseException) else PoisonedTask(str(text)[:200])
+
+    def _roll_back(self, ledger: KeyLedger, run_id: str, token: str, exc: BaseException,
+                   args: tuple[Any, ...], kwargs: dict[str, Any], *, final: bool) -> str | None:
+        """Run ``rollback`` at most once per (key, token); returns the outcome label."""
+        if not self._has_rollback():
+            return None
+        failure = self._failure_json(exc)
+        status = ledger.rollback_begin(run_id, token, final=final, failure=failure)
+        if status == "fenced":  # no longer the owner: roll back our own effects only
+            final = False
+            status = ledger.rollback_begin(run_id, token, final=False, failure=failure)
+        if status == "done":
+            return ROLLED_BACK
+        delay = self.rollback_backoff_s
+        task_id = str(self.request.id)
+        for attempt in range(1, max(1, self.rollback_max_attempts) + 1):
+            try:
+                self.rollback(exc, task_id, args, kwargs)
+            except Exception:
+                logger.exception("task %s: rollback attempt %d failed", task_id, attempt)
+                if attempt < self.rollback_max_attempts:
+                    time.sleep(delay)
+                    delay = min(delay * 2, self.rollback_backoff_max_s)
+                continue
+            ledger.rollback_end(run_id, token, final=final, status="done")
+            return ROLLED_BACK
+        ledger.rollback_end(run_id, token, final=final, status="failed")
+        return ROLLBACK_FAILED
+
+    # -- the worker plugin's poison hook ----------------------------------------------------------
+    def crawl_on_poison(self, task_id: str, args: Any, kwargs: Any, reason: str, *,
+                        token: int | None = None, hostname: str | None = None) -> str | None:
+        """Fail a task the worker gave up on (delivered ``crawl_max_deliveries`` times).
+
+        Runs in the worker's main process: rolls the key back (at most once), then stores
+        FAILURE with ``reason`` and the rollback outcome, audited like any other write.
+
+        Returns:
+            The rollback outcome label, or None when there was nothing to roll back.
+        """
+        args = tuple(args or ())
+        kwargs = dict(kwargs or {})
+        backend = self._audited_backend()
+        if token is None:
+            stored = backend.client.hget(backend.fence_key(task_id), "token")
+            token = int(stored) if stored not in (None, b"") else None
+        tok = "" if token is None else str(token)
+        exc = PoisonedTask(reason)
+        self.push_request(id=task_id, args=args, kwargs=kwargs, called_directly=False,
+                          crawl_claim_token=token, hostname=hostname)
+        outcome: str | None = None
+        try:
+            ledger = self._ledger(self.idempotency_key(args, kwargs))
+            run_id = uuid.uuid4().hex
+            decision = ledger.begin(task_id, tok, run_id, force=True)
+            if decision.kind in ("finished", "finished-rb"):
+                outcome = _outcome_label(decision.rollback_status) or decision.extra or None
+            else:
+                rb_token = decision.rollback_token if decision.kind == "rollback" else tok
+                outcome = self._roll_back(ledger, run_id, rb_token, exc, args, kwargs,
+                                          final=True)
+        finally:
+            self.pop_request()
+        request = Context(id=task_id, task=self.name, args=args, kwargs=kwargs,
+                          crawl_claim_token=token, crawl_rollback=outcome, hostname=hostname)
+        backend.mark_as_failure(task_id, exc, request=request)
+        return outcome
+
+
+def _outcome_label(status: str) -> str:
+    return {"done": ROLLED_BACK, "failed": ROLLBACK_FAILED}.get(status, "")
