@@ -1,0 +1,142 @@
+"""What the lease machinery needs from the broker: redeliver exact tags, keep own tags fresh.
+
+Redis broker (kombu's virtual transport): an unacked message lives in the ``unacked`` hash and the
+``unacked_index`` zset (score = delivery time) until acked. A dead worker's messages would wait
+there for ``visibility_timeout`` (3600 s by default); kombu's own ``QoS.restore_by_tag`` puts one
+back on its queue atomically (it knows key prefixes, priority queues and custom queue keys), and it
+is idempotent: a tag already restored or acked is no longer in the hash. Re-scoring our own tags
+in ``unacked_index`` on every renewal keeps ``restore_visible`` from redelivering a task that is
+still running or reserved here, however long it runs.
+
+These calls use a dedicated kombu connection of the same broker URL and transport options, owned by
+the renewal thread: the consumer's channel belongs to the event loop and is not thread-safe.
+
+RabbitMQ: the broker requeues a dead connection's unacked messages itself (at once after kill -9;
+after the heartbeat timeout after a freeze), so both operations are no-ops there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+__all__ = ["AmqpBroker", "BrokerOps", "RedisBroker", "broker_ops"]
+
+logger = logging.getLogger(__name__)
+
+
+class BrokerOps(Protocol):
+    """Broker operations used by the renewal thread and the reaper."""
+
+    kind: str
+
+    def restore(self, tags: Sequence[Any]) -> int:
+        """Put the messages of these delivery tags back on their queues; returns how many."""
+        ...
+
+    def refresh(self, tags: Sequence[Any]) -> None:
+        """Mark these delivery tags as just delivered (so the visibility timeout restarts)."""
+        ...
+
+    def close(self) -> None:
+        """Release the dedicated connection."""
+        ...
+
+
+class AmqpBroker:
+    """RabbitMQ and other real AMQP brokers: redelivery is the broker's job."""
+
+    kind = "amqp"
+
+    def restore(self, tags: Sequence[Any]) -> int:
+        return 0
+
+    def refresh(self, tags: Sequence[Any]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class RedisBroker:
+    """kombu's Redis transport, through a dedicated connection made lazily in the calling thread.
+
+    Args:
+        app: the Celery app (its broker URL and ``broker_transport_options`` are reused).
+    """
+
+    kind = "redis"
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+        self._conn: Any = None
+        self._channel: Any = None
+
+    def _chan(self) -> Any:
+        if self._channel is None:
+            conn = self._app.connection_for_write()
+            conn.ensure_connection(max_retries=1)
+            self._conn = conn
+            self._channel = conn.channel()
+        return self._channel
+
+    def _reset(self) -> None:
+        conn, self._conn, self._channel = self._conn, None, None
+        if conn is not None:
+            try:
+                conn.release()
+            except Exception:  # the connection is being thrown away anyway
+                logger.debug("celery-crawl: closing the broker connection failed", exc_info=True)
+
+    def restore(self, tags: Sequence[Any]) -> int:
+        if not tags:
+            return 0
+        chan = self._chan()
+        try:
+            done = 0
+            for tag in tags:
+                # leftmost=True: a recovered task goes to the head of its queue, as kombu does
+                # for a rejected-with-requeue message.
+                chan.qos.restore_by_tag(_tag(tag), leftmost=True)
+                done += 1
+            return done
+        except Exception:
+            self._reset()
+            raise
+
+    def refresh(self, tags: Sequence[Any]) -> None:
+        if not tags:
+            return
+        chan = self._chan()
+        try:
+            now = time.time()
+            # XX: only tags still unacked; an acked or restored tag must not reappear.
+            with chan.conn_or_acquire() as client:
+                client.zadd(chan.unacked_index_key, {_tag(t): now for t in tags}, xx=True)
+        except Exception:
+            self._reset()
+            raise
+
+    def unacked_score(self, tag: Any) -> float | None:
+        """Delivery time recorded for ``tag`` (tests and the benchmark use it)."""
+        chan = self._chan()
+        with chan.conn_or_acquire() as client:
+            score = client.zscore(chan.unacked_index_key, _tag(tag))
+        return None if score is None else float(score)
+
+    def close(self) -> None:
+        self._reset()
+
+
+def _tag(tag: Any) -> Any:
+    return tag.decode() if isinstance(tag, bytes) else tag
+
+
+def broker_ops(app: Any) -> BrokerOps:
+    """The broker operations for ``app``'s broker transport."""
+    driver = app.connection_for_write().transport.driver_type
+    if driver == "redis":
+        return RedisBroker(app)
+    return AmqpBroker()

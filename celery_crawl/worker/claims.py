@@ -1,0 +1,311 @@
+"""Task claims of one worker: what to do with a delivery, and what to write when it ends.
+
+This module does not import Celery: it talks to a ``LeaseStore`` and returns decisions that the
+consumer step (``steps.py``) carries out on Celery's objects.
+
+A delivery of task ``id`` is decided in this order (one ``get_many`` and one ``claim``):
+
+1. a ``done/<id>`` tombstone written by a run with at least as many retries → **duplicate**
+   (ack and drop; a later retry of the same id carries more retries and does run);
+2. claim ``task:<id>`` bound to this worker's lease; a live claim elsewhere (or here) →
+   **park** (neither run nor ack) and decide again later;
+3. the delivery count (kept in ``deliveries/<id>`` by whoever requeued the task: the reaper, or
+   this worker when a child died) reaches ``crawl_max_deliveries`` → **poison** (end as FAILURE
+   without running);
+4. otherwise **run** with the claim's token.
+
+On completion the tombstone is written *before* the claim is deleted, so a parked duplicate never
+sees "no claim and no tombstone" for a task that has in fact finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .. import keys
+from ..errors import CrawlError, LeaseLost, StoreError
+from ..leases.base import Claim, Lease, LeaseStore
+
+__all__ = [
+    "ClaimBook",
+    "Claimer",
+    "Decision",
+    "Held",
+    "Outcome",
+    "PoisonMessage",
+    "deliveries_key",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class PoisonMessage(CrawlError):
+    """A task was delivered ``crawl_max_deliveries`` times and is ended without running again.
+
+    Stored as the task's FAILURE so callers see why; usually its worker was killed (OOM) by it.
+    """
+
+
+def deliveries_key(task_id: str) -> str:
+    """Record counting how often task ``task_id`` was handed out and not finished."""
+    return f"deliveries/{task_id}"
+
+
+class Outcome(enum.Enum):
+    """What the consumer step does with one delivery."""
+
+    RUN = "run"
+    PARK = "park"
+    DUPLICATE = "duplicate"
+    POISON = "poison"
+    NO_LEASE = "no-lease"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """The decision for one delivery.
+
+    Attributes:
+        outcome: what to do.
+        token: the claim token (RUN and POISON).
+        deliveries: the delivery count of this delivery (1 for a first delivery).
+        holder: the holder of the live claim that made us park (PARK).
+    """
+
+    outcome: Outcome
+    token: int | None = None
+    deliveries: int = 1
+    holder: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Held:
+    """One delivery this worker holds (claimed, or parked without a claim).
+
+    ``message``/``extra`` are opaque to this module (the consumer step keeps the kombu message and
+    its callbacks there). ``fenced`` is set when the lease was lost while the claim was held.
+    """
+
+    task_id: str
+    delivery_tag: Any
+    queue: str | None
+    deliveries: int
+    token: int | None = None
+    lease_name: str | None = None
+    holder: str | None = None
+    parked: bool = False
+    fenced: bool = False
+    retries: int = 0
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    message: Any = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def as_claim(self) -> Claim:
+        """This hold as the store's ``Claim`` (for ``drop_claim``)."""
+        return Claim(
+            key=keys.task_claim(self.task_id), lease_name=self.lease_name or "",
+            holder=self.holder or "", token=self.token or 0, value={}, alive=False,
+        )
+
+
+class ClaimBook:
+    """Thread-safe registry of the deliveries this worker holds, keyed by delivery tag.
+
+    Pool threads (threads pool callbacks), the event loop and the renewal thread all touch it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_tag: dict[Any, Held] = {}
+
+    def add(self, held: Held) -> None:
+        with self._lock:
+            self._by_tag[held.delivery_tag] = held
+
+    def get(self, tag: Any) -> Held | None:
+        with self._lock:
+            return self._by_tag.get(tag)
+
+    def pop(self, tag: Any) -> Held | None:
+        with self._lock:
+            return self._by_tag.pop(tag, None)
+
+    def snapshot(self) -> list[Held]:
+        with self._lock:
+            return list(self._by_tag.values())
+
+    def take_all(self) -> list[Held]:
+        """Remove and return every hold (on lease loss)."""
+        with self._lock:
+            out = list(self._by_tag.values())
+            self._by_tag.clear()
+            return out
+
+    def tags(self) -> list[Any]:
+        with self._lock:
+            return list(self._by_tag)
+
+    def counts(self) -> tuple[int, int]:
+        """``(claimed, parked)``."""
+        with self._lock:
+            parked = sum(1 for h in self._by_tag.values() if h.parked)
+            return len(self._by_tag) - parked, parked
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_tag)
+
+
+class Claimer:
+    """Decisions and completion writes for one worker, against its current lease.
+
+    Args:
+        store: the lease store (main process only).
+        lease: returns the worker's current lease, or None while it holds none.
+        max_deliveries: ``crawl_max_deliveries``.
+        done_ttl_s: ``crawl_done_ttl``: how long tombstones and delivery counts are kept.
+        worker: hostname recorded in claims (for ``status`` and ``crawl_leases``).
+    """
+
+    def __init__(
+        self,
+        store: LeaseStore,
+        lease: Callable[[], Lease | None],
+        *,
+        max_deliveries: int,
+        done_ttl_s: float,
+        worker: str = "",
+    ) -> None:
+        self.store = store
+        self._lease = lease
+        self.max_deliveries = max_deliveries
+        self.done_ttl_s = done_ttl_s
+        self.worker = worker
+
+    def decide(
+        self,
+        task_id: str,
+        *,
+        delivery_tag: Any,
+        queue: str | None,
+        exchange: str | None = None,
+        routing_key: str | None = None,
+        retries: int = 0,
+        known_deliveries: int = 0,
+    ) -> Decision:
+        """Decide one delivery (a fresh one, or a parked one being looked at again).
+
+        Args:
+            known_deliveries: a delivery count already known from a claimant seen while parked.
+
+        Raises:
+            StoreError: the store failed; the caller requeues the message (fails closed).
+        """
+        lease = self._lease()
+        if lease is None:
+            return Decision(Outcome.NO_LEASE)
+        done, seen = self.store.get_many([keys.done(task_id), deliveries_key(task_id)])
+        if done is not None and _int(done.get("retries")) >= retries:
+            return Decision(Outcome.DUPLICATE)
+        prior = max(known_deliveries, _int((seen or {}).get("n")))
+        deliveries = prior + 1
+        value = {
+            "lease": lease.name, "worker": self.worker, "delivery_tag": _tag(delivery_tag),
+            "queue": queue, "exchange": exchange, "routing_key": routing_key,
+            "deliveries": deliveries, "retries": retries, "claimed_at": time.time(),
+        }
+        try:
+            token = self.store.claim(lease, keys.task_claim(task_id), value)
+        except LeaseLost:
+            return Decision(Outcome.NO_LEASE)
+        if token is None:
+            current = self.store.claimant(keys.task_claim(task_id))
+            if current is None:
+                # Ended between our two calls: look again on the next re-check.
+                return Decision(Outcome.PARK, deliveries=prior)
+            if current.alive:
+                return Decision(Outcome.PARK, holder=current.holder,
+                                deliveries=max(prior, _int(current.value.get("deliveries"))))
+            # Its lease died between claim and claimant: count it and try again next time.
+            return Decision(Outcome.PARK, holder=current.holder,
+                            deliveries=max(prior, _int(current.value.get("deliveries"))))
+        if deliveries >= self.max_deliveries:
+            return Decision(Outcome.POISON, token=token, deliveries=deliveries)
+        return Decision(Outcome.RUN, token=token, deliveries=deliveries)
+
+    def finish(self, held: Held, *, state: str, requeue: bool = False) -> None:
+        """Record the end of a claimed delivery.
+
+        ``requeue`` (the message goes back to the broker, e.g. its child died and
+        ``task_reject_on_worker_lost`` requeues it): the delivery count is kept and the claim
+        deleted. Otherwise the tombstone is written first, then the claim deleted.
+
+        Raises:
+            StoreError: the caller retries later (``Keeper`` keeps a backlog).
+        """
+        lease = self._lease()
+        if requeue:
+            self.store.put(deliveries_key(held.task_id), {"n": held.deliveries},
+                           ttl_s=self.done_ttl_s)
+        else:
+            self.store.put(
+                keys.done(held.task_id),
+                {"state": state, "token": held.token, "retries": held.retries,
+                 "worker": self.worker, "at": time.time()},
+                ttl_s=self.done_ttl_s,
+            )
+        self.drop(held, lease)
+
+    def drop(self, held: Held, lease: Lease | None = None) -> None:
+        """Delete the claim of ``held`` if it is still ours (no tombstone)."""
+        if held.token is None:
+            return
+        lease = lease if lease is not None else self._lease()
+        if lease is not None and lease.name == held.lease_name:
+            try:
+                self.store.unclaim(lease, keys.task_claim(held.task_id))
+                return
+            except LeaseLost:
+                pass
+        # The lease that made the claim is gone: the claim is orphaned; drop it by token.
+        self.store.drop_claim(held.as_claim())
+
+
+def record_requeues(store: LeaseStore, claims: list[Claim], ttl_s: float) -> None:
+    """Keep the delivery counts of orphaned claims before they are dropped (reaper)."""
+    items: list[tuple[str, Mapping[str, Any]]] = []
+    for claim in claims:
+        task_id = claim.key.split("task:", 1)[-1]
+        items.append((deliveries_key(task_id),
+                      {"n": _int(claim.value.get("deliveries")), "recovered_at": time.time()}))
+    if items:
+        store.put_many(items, ttl_s=ttl_s)
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int | float | str):
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        return 0
+
+
+def _tag(tag: Any) -> Any:
+    return tag if isinstance(tag, int | str) or tag is None else str(tag)
+
+
+def safe(what: str, fn: Callable[[], Any]) -> bool:
+    """Run a store call, logging (not raising) a ``StoreError``; True if it succeeded."""
+    try:
+        fn()
+        return True
+    except (StoreError, LeaseLost) as exc:
+        logger.warning("celery-crawl: %s failed: %s", what, exc)
+        return False

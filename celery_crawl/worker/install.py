@@ -1,0 +1,68 @@
+"""``install_worker(app, config)``: register the worker steps and the settings they rely on."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..config import CrawlConfig
+
+__all__ = ["install_worker"]
+
+logger = logging.getLogger(__name__)
+
+
+def _user_set(app: Any, key: str) -> bool:
+    """Whether the app's own configuration sets ``key`` (not Celery's default)."""
+    conf = app.conf
+    try:
+        changes = conf.changes
+    except AttributeError:  # pragma: no cover - very old Celery
+        changes = {}
+    if key in changes:
+        return True
+    source = getattr(app, "_config_source", None)
+    if source is not None:
+        if isinstance(source, dict):
+            return key in source or key.upper() in source
+        return hasattr(source, key) or hasattr(source, key.upper())
+    return False
+
+
+def install_worker(app: Any, config: CrawlConfig | None = None) -> CrawlConfig:
+    """Register ``LeaseStep`` and ``ClaimStep`` on ``app`` and turn on what recovery needs.
+
+    Unless the app set them itself: ``task_acks_late = True`` (a message is acked only when its
+    task ended, so a dead worker's task can be redelivered), ``task_reject_on_worker_lost =
+    True`` (a killed child's task is requeued, and counted towards ``crawl_max_deliveries``) and
+    ``broker_heartbeat`` no longer than half the worker TTL (RabbitMQ then drops a frozen
+    worker's connection, and requeues its messages, about as fast as its lease expires).
+
+    Idempotent. Returns the validated configuration.
+
+    Raises:
+        ConfigError: naming a bad ``crawl_*`` setting.
+    """
+    from . import control  # noqa: F401 - registers the crawl_leases remote command
+    from .steps import ClaimStep, LeaseStep
+
+    config = config or CrawlConfig.from_app(app)
+    worker_steps = app.steps["worker"]
+    consumer_steps = app.steps["consumer"]
+    if not any(getattr(s, "name", None) == LeaseStep.name for s in worker_steps):
+        worker_steps.add(LeaseStep)
+    if not any(getattr(s, "name", None) == ClaimStep.name for s in consumer_steps):
+        consumer_steps.add(ClaimStep)
+    heartbeat = max(1, int(config.worker_lease_ttl_s // 2))
+    for key, value in (("task_acks_late", True), ("task_reject_on_worker_lost", True),
+                       ("broker_heartbeat", heartbeat)):
+        if not _user_set(app, key):
+            app.conf[key] = value
+    if _user_set(app, "broker_heartbeat"):
+        current = app.conf.get("broker_heartbeat")
+        if current and current > config.worker_lease_ttl_s:
+            logger.warning(
+                "celery-crawl: broker_heartbeat=%ss is longer than crawl_worker_lease_ttl=%ss: "
+                "RabbitMQ keeps a frozen worker's messages that long after its lease expired",
+                current, config.worker_lease_ttl_s)
+    return config

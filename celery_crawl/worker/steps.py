@@ -1,0 +1,526 @@
+"""The Celery glue: a worker bootstep (lease, timers, guards) and a consumer bootstep (messages).
+
+``LeaseStep`` lives as long as the worker: it checks the setup, opens the lease store (main
+process only — prefork children never see it), takes the worker lease and starts the renewal
+thread with the reaper. ``ClaimStep`` is rebuilt with the consumer on every broker reconnection:
+it wraps each task's strategy so every delivery is claimed before Celery builds its request, and
+it re-checks parked duplicates on the consumer's timer.
+
+Everything that touches the consumer, the pool or a kombu message runs on the event loop
+(``hub.call_soon`` from the renewal thread); completion writes may also run on a threads-pool
+thread (Celery acks from there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal as _signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from celery import bootsteps, signals
+from celery.app.task import Context
+from celery.worker import state as worker_state
+
+from .. import metrics
+from ..config import CrawlConfig
+from ..errors import LeaseLost, StoreError
+from ..leases.base import Lease, LeaseStore
+from .broker import BrokerOps, broker_ops
+from .claims import ClaimBook, Claimer, Decision, Held, Outcome, PoisonMessage
+from .context import CLAIM_HEADER
+from .guards import check_beat, check_memory, check_pool
+from .keeper import Keeper
+from .reaper import Reaper
+
+__all__ = ["ClaimStep", "LeaseStep"]
+
+logger = logging.getLogger("celery_crawl.worker")
+
+_Ack = Callable[..., Any]
+
+
+def _open_store(config: CrawlConfig) -> LeaseStore:
+    from .. import leases
+
+    store_for = getattr(leases, "store_for", None)
+    if store_for is not None:
+        return store_for(config)  # type: ignore[no-any-return]
+    return leases.open_store(  # type: ignore[no-any-return]
+        config.lease_url, namespace=config.namespace, timeout_s=config.store_timeout_s)
+
+
+class LeaseStep(bootsteps.StartStopStep):
+    """Worker bootstep: one lease per worker start, the reaper, guards and visibility.
+
+    Registered by ``celery_crawl.worker.install_worker(app)`` (and ``celery_crawl.install``).
+    """
+
+    label = "crawl-lease"
+    name = "celery_crawl.worker.steps.LeaseStep"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, w: Any, beat: bool = False, **kwargs: Any) -> None:
+        super().__init__(w, **kwargs)
+        self.app = w.app
+        self.config = CrawlConfig.from_app(w.app)
+        check_beat(beat)
+        self.pool_name = check_pool(w.pool_cls)
+        self.memory_limit = check_memory(
+            self.config.min_memory_bytes, w.app.conf.get("worker_max_memory_per_child"))
+        self.worker = w
+        self.hostname = getattr(w, "hostname", "") or ""
+        self.book = ClaimBook()
+        self.backlog: list[tuple[Held, str, bool]] = []
+        self._backlog_lock = threading.Lock()
+        self.store: LeaseStore | None = None
+        self.broker: BrokerOps | None = None
+        self.keeper: Keeper | None = None
+        self.reaper: Reaper | None = None
+        self.claimer: Claimer | None = None
+        self.consumer: Any = None
+        self.consuming = True
+        self.fenced_count = 0
+        self.duplicates = 0
+        self.poisoned = 0
+        self._closed = False
+        w.crawl_lease = self
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, w: Any) -> None:
+        config = self.config
+        self.store = _open_store(config)
+        self.broker = broker_ops(self.app)
+        self.keeper = Keeper(self.store, ttl_s=config.worker_lease_ttl_s,
+                             on_lost=self._lost_from_thread,
+                             on_acquired=self._acquired_from_thread)
+        self.reaper = Reaper(
+            self.store, self.broker, holder=lambda: self.keeper.holder if self.keeper else "",
+            ttl_s=config.worker_lease_ttl_s, interval_s=config.reaper_interval_s,
+            done_ttl_s=config.done_ttl_s)
+        self.keeper.hooks = [self._refresh_unacked, self._drain_backlog, self.reaper]
+        self.claimer = Claimer(self.store, lambda: self.keeper.lease if self.keeper else None,
+                               max_deliveries=config.max_deliveries,
+                               done_ttl_s=config.done_ttl_s, worker=self.hostname)
+        lease = self.keeper.acquire_blocking(timeout_s=max(config.worker_lease_ttl_s, 5.0))
+        self.keeper.start()
+        metrics.start_metrics_server(config.metrics_port)
+        self._warn_acks_early()
+        signals.worker_shutdown.connect(self._on_worker_shutdown, weak=False)
+        logger.info(
+            "celery-crawl: worker lease %s (token %s, ttl %.1fs) held on %s; pool %s, broker %s, "
+            "on lease loss: %s", lease.name, lease.token, config.worker_lease_ttl_s,
+            self.store.url, self.pool_name, self.broker.kind, config.on_lease_loss)
+
+    def stop(self, w: Any) -> None:
+        # The lease must outlive the pool (a warm shutdown waits for running tasks, whose
+        # completion writes need it): released on worker_shutdown, after the blueprint stopped.
+        return None
+
+    def shutdown(self, w: Any) -> None:
+        self.close()
+
+    def _on_worker_shutdown(self, sender: Any = None, **_: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the lease (our remaining claims become orphaned for the reaper)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.keeper is not None:
+            self._drain_backlog()
+            self.keeper.stop(release=True)
+        if self.reaper is not None:
+            self.reaper.release()
+        if self.broker is not None:
+            self.broker.close()
+        if self.store is not None:
+            with contextlib.suppress(StoreError):
+                self.store.close()
+
+    def _warn_acks_early(self) -> None:
+        early = sorted(name for name, task in self.app.tasks.items()
+                       if not name.startswith("celery.") and not getattr(task, "acks_late", False))
+        if early:
+            logger.warning(
+                "celery-crawl: task(s) %s acknowledge early (acks_late=False): their message is "
+                "gone before they run, so a killed worker's run of them cannot be recovered",
+                ", ".join(early))
+
+    # -- consumer attach/detach (ClaimStep) ------------------------------------------------
+    def attach(self, c: Any) -> None:
+        """Wrap every task strategy of a (re)started consumer and start re-checking parked."""
+        self.consumer = c
+        for name in list(c.strategies):
+            c.strategies[name] = self._wrap(name, c.strategies[name])
+        interval = min(1.0, self.config.worker_lease_ttl_s / 3)
+        c._crawl_recheck = c.timer.call_repeatedly(interval, self._recheck_parked)
+        if self.keeper is not None and self.keeper.lease is None and (
+            self.config.on_lease_loss == "cancel"
+        ):
+            self._stop_consuming(c, "no worker lease held")
+
+    def detach(self, c: Any) -> None:
+        entry = getattr(c, "_crawl_recheck", None)
+        if entry is not None:
+            with contextlib.suppress(Exception):
+                entry.cancel()
+            c._crawl_recheck = None
+
+    # -- deliveries ------------------------------------------------------------------------
+    def _wrap(self, task_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        step = self
+
+        def crawl_claimed_strategy(message: Any, body: Any, ack: _Ack, reject: _Ack,
+                                   callbacks: Any, **kwargs: Any) -> Any:
+            headers = message.headers if isinstance(message.headers, dict) else None
+            if headers is None or "id" not in headers:
+                # Task protocol 1: headers carry no id; run unprotected (logged once per task).
+                return original(message, body, ack, reject, callbacks, **kwargs)
+            # Never trust a producer's value: the header is ours.
+            headers.pop(CLAIM_HEADER, None)
+            info = message.delivery_info or {}
+            held = Held(
+                task_id=str(headers["id"]), delivery_tag=message.delivery_tag,
+                queue=info.get("routing_key"), deliveries=0,
+                retries=_int(headers.get("retries")), message=message,
+                extra={"task": task_name, "run": (original, body, ack, reject, callbacks,
+                                                  kwargs),
+                       "exchange": info.get("exchange"), "routing_key": info.get("routing_key")},
+            )
+            step._decide(held)
+            return None
+
+        crawl_claimed_strategy.__wrapped__ = original  # type: ignore[attr-defined]
+        return crawl_claimed_strategy
+
+    def _decide(self, held: Held) -> None:
+        assert self.claimer is not None
+        first = not held.parked
+        try:
+            decision = self.claimer.decide(
+                held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
+                exchange=held.extra.get("exchange"), routing_key=held.extra.get("routing_key"),
+                retries=held.retries, known_deliveries=held.deliveries)
+        except StoreError as exc:
+            # Fail closed: neither run nor drop; look again on the next re-check.
+            logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, exc)
+            decision = Decision(Outcome.PARK, deliveries=held.deliveries)
+        outcome = decision.outcome
+        if outcome is Outcome.NO_LEASE:
+            self.book.pop(held.delivery_tag)
+            self._release(held, "no worker lease held")
+        elif outcome is Outcome.DUPLICATE:
+            self.book.pop(held.delivery_tag)
+            self.duplicates += 1
+            metrics.WORKER_DUPLICATES_PARKED.labels("dropped").inc()
+            logger.warning("celery-crawl: %s[%s] already finished (done tombstone); dropping "
+                           "this delivery as a duplicate", held.extra["task"], held.task_id)
+            self._call_ack(held)
+        elif outcome is Outcome.PARK:
+            held.parked = True
+            held.holder = decision.holder
+            held.deliveries = decision.deliveries
+            self.book.add(held)
+            if first:
+                metrics.WORKER_DUPLICATES_PARKED.labels("parked").inc()
+                logger.warning("celery-crawl: %s[%s] is claimed by live worker %s; parked "
+                               "(not run, not acked) until that claim ends",
+                               held.extra["task"], held.task_id, decision.holder)
+        else:
+            keeper_lease = self.keeper.lease if self.keeper else None
+            held.parked = False
+            held.token = decision.token
+            held.deliveries = decision.deliveries
+            held.lease_name = keeper_lease.name if keeper_lease else None
+            held.holder = keeper_lease.holder if keeper_lease else None
+            self.book.add(held)
+            if not first:
+                metrics.WORKER_DUPLICATES_PARKED.labels("run").inc()
+            if outcome is Outcome.POISON:
+                self._poison(held)
+            else:
+                self._run(held)
+        metrics.WORKER_CLAIMS.set(len(self.book))
+
+    def _run(self, held: Held) -> None:
+        original, body, ack, reject, callbacks, kwargs = held.extra["run"]
+        held.message.headers[CLAIM_HEADER] = held.token
+
+        def on_ack(*args: Any, **kw: Any) -> Any:
+            if held.fenced:
+                return None
+            self._complete(held, "done", requeue=False)
+            return ack(*args, **kw)
+
+        def on_reject(*args: Any, **kw: Any) -> Any:
+            if held.fenced:
+                return None
+            requeue = bool(kw.get("requeue", args[2] if len(args) > 2 else False))
+            self._complete(held, "rejected", requeue=requeue)
+            return reject(*args, **kw)
+
+        held.extra["ack"], held.extra["reject"] = ack, reject
+        original(held.message, body, on_ack, on_reject, callbacks, **kwargs)
+
+    def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
+        if self.book.pop(held.delivery_tag) is None:
+            return
+        metrics.WORKER_CLAIMS.set(len(self.book))
+        assert self.claimer is not None
+        if self.keeper is None or self.keeper.lease is None:
+            self._defer(held, state, requeue)
+            return
+        try:
+            self.claimer.finish(held, state=state, requeue=requeue)
+        except (StoreError, LeaseLost) as exc:
+            logger.warning("celery-crawl: recording the end of %s failed (%s); will retry",
+                           held.task_id, exc)
+            self._defer(held, state, requeue)
+
+    def _defer(self, held: Held, state: str, requeue: bool) -> None:
+        with self._backlog_lock:
+            self.backlog.append((held, state, requeue))
+
+    def _drain_backlog(self) -> None:
+        with self._backlog_lock:
+            pending, self.backlog = self.backlog, []
+        assert self.claimer is not None
+        for i, (held, state, requeue) in enumerate(pending):
+            try:
+                self.claimer.finish(held, state=state, requeue=requeue)
+            except (StoreError, LeaseLost):
+                with self._backlog_lock:
+                    self.backlog.extend(pending[i:])
+                return
+
+    def _call_ack(self, held: Held) -> None:
+        ack = held.extra["run"][2]
+        consumer = self.consumer
+        ack(logger, getattr(consumer, "connection_errors", ()))
+
+    def _poison(self, held: Held) -> None:
+        """End a task delivered ``crawl_max_deliveries`` times as FAILURE, without running it."""
+        name = held.extra["task"]
+        task = self.app.tasks.get(name)
+        message = held.message
+        reason = (f"delivered {held.deliveries} times (crawl_max_deliveries="
+                  f"{self.config.max_deliveries}) without finishing; its worker probably died "
+                  "running it")
+        exc = PoisonMessage(f"{name}[{held.task_id}] {reason}")
+        args: Any = ()
+        kwargs: Any = {}
+        embed: dict[str, Any] = {}
+        try:
+            payload = message.decode()
+            if isinstance(payload, list | tuple) and len(payload) == 3:
+                args, kwargs, embed = payload
+        except Exception:  # a body we cannot decode still ends as FAILURE
+            logger.debug("celery-crawl: cannot decode %s", held.task_id, exc_info=True)
+        self.poisoned += 1
+        logger.error("celery-crawl: %s[%s] is a poison message: %s", name, held.task_id, reason)
+        if task is not None:
+            ctx = Context({**message.headers, **(embed or {}), "args": args, "kwargs": kwargs,
+                           CLAIM_HEADER: held.token,
+                           "delivery_info": message.delivery_info})
+            try:
+                task.backend.mark_as_failure(held.task_id, exc, request=ctx)
+            except Exception:
+                logger.exception("celery-crawl: storing the poison FAILURE of %s failed",
+                                 held.task_id)
+            hook = getattr(task, "crawl_on_poison", None)
+            if callable(hook):
+                try:
+                    hook(held.task_id, args, kwargs, reason)
+                except Exception:
+                    logger.exception("celery-crawl: crawl_on_poison of %s failed", held.task_id)
+        self._complete(held, "FAILURE", requeue=False)
+        self._call_ack(held)
+
+    def _recheck_parked(self) -> None:
+        for held in self.book.snapshot():
+            if held.parked and not held.fenced:
+                self._decide(held)
+
+    # -- lease loss / regain ---------------------------------------------------------------
+    def _in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        hub = getattr(self.worker, "hub", None)
+        if hub is not None:
+            hub.call_soon(fn, *args)
+        else:
+            fn(*args)
+
+    def _lost_from_thread(self, reason: str) -> None:
+        self._in_loop(self._on_lease_lost, reason)
+
+    def _acquired_from_thread(self, lease: Lease) -> None:
+        self._in_loop(self._on_lease_acquired, lease)
+
+    def _on_lease_lost(self, reason: str) -> None:
+        if self.config.on_lease_loss == "continue":
+            logger.error("celery-crawl: crawl_on_lease_loss=continue: %d claimed task(s) keep "
+                         "running unprotected (their claims are orphaned and may be recovered "
+                         "elsewhere)", len(self.book))
+            return
+        c = self.consumer
+        if c is not None:
+            self._stop_consuming(c, reason)
+        fenced = self.book.take_all()
+        metrics.WORKER_CLAIMS.set(0)
+        cancelled = 0
+        for held in fenced:
+            held.fenced = True
+            if not held.parked:
+                self.fenced_count += 1
+                cancelled += self._cancel_request(held)
+            self._release(held, reason)
+        logger.error(
+            "celery-crawl: lease lost (%s): stopped consuming, cancelled %d running/reserved "
+            "task(s) without acking, released %d delivery(ies); resuming once a new lease is "
+            "held", reason, cancelled, len(fenced))
+
+    def _on_lease_acquired(self, lease: Lease) -> None:
+        c = self.consumer
+        if c is not None and not self.consuming:
+            task_consumer = getattr(c, "task_consumer", None)
+            if task_consumer is not None:
+                try:
+                    task_consumer.consume()
+                    self.consuming = True
+                    logger.warning("celery-crawl: consuming again under lease %s", lease.name)
+                except Exception:  # the consumer restarts on connection errors
+                    logger.exception("celery-crawl: resuming consumption failed")
+
+    def _stop_consuming(self, c: Any, reason: str) -> None:
+        task_consumer = getattr(c, "task_consumer", None)
+        if task_consumer is not None:
+            try:
+                task_consumer.cancel()
+            except Exception:
+                logger.warning("celery-crawl: cancelling the task consumer failed",
+                               exc_info=True)
+        self.consuming = False
+        logger.error("celery-crawl: not consuming tasks: %s", reason)
+
+    def _cancel_request(self, held: Held) -> int:
+        req = worker_state.requests.get(held.task_id)
+        if req is None or getattr(req, "_message", None) is not held.message:
+            return 0
+        # Not announced as revoked/retried: the task is not over, it runs elsewhere.
+        req._already_cancelled = True
+        entry = getattr(req, "_eta_timer_entry", None)
+        if entry is not None:
+            with contextlib.suppress(Exception):
+                entry.cancel()
+        pool = self.worker.pool
+        if self.pool_name == "prefork":
+            with contextlib.suppress(Exception):
+                req.cancel(pool, signal=_signal.SIGKILL, emit_retry=False)
+            if not req.time_start:
+                worker_state.task_ready(req)
+            return 1
+        # threads pool: a running thread cannot be interrupted; only fencing protects it.
+        result = req._apply_result() if req._apply_result is not None else None
+        future = getattr(result, "f", None)
+        if future is not None and future.cancel():
+            worker_state.task_ready(req)
+            return 1
+        if req.time_start:
+            logger.error("celery-crawl: %s[%s] keeps running on the threads pool after the "
+                         "lease loss; its writes are fenced by its claim token %s",
+                         req.name, req.id, held.token)
+        return 0
+
+    def _release(self, held: Held, reason: str) -> None:
+        """Hand an unacked delivery back without acking it (it must run again somewhere)."""
+        message = held.message
+        if message is None or message.acknowledged:
+            return
+        broker = self.broker.kind if self.broker else "amqp"
+        try:
+            if broker == "redis" and held.token is not None:
+                # Our claim records this tag: the reaper restores it exactly once. Forget it
+                # locally so closing our channel does not restore it a second time.
+                from kombu.transport.virtual.base import QoS as VirtualQoS
+
+                VirtualQoS.ack(message.channel.qos, held.delivery_tag)
+                message._state = "REJECTED"
+            else:
+                message.reject(requeue=True)
+        except Exception as exc:  # a dead connection requeues by itself
+            logger.info("celery-crawl: releasing %s: %s", held.task_id, exc)
+
+    # -- unacked freshness -----------------------------------------------------------------
+    def _refresh_unacked(self) -> None:
+        if self.broker is None or self.broker.kind != "redis":
+            return
+        if self.keeper is None or self.keeper.lease is None:
+            return
+        tags = [h.delivery_tag for h in self.book.snapshot() if not h.fenced]
+        if tags:
+            self.broker.refresh(tags)
+
+    # -- visibility ------------------------------------------------------------------------
+    def info(self, w: Any) -> dict[str, Any]:
+        """Merged into ``celery inspect stats`` (and so Flower's worker page)."""
+        return {"crawl_lease": self.status()}
+
+    def status(self) -> dict[str, Any]:
+        claimed, parked = self.book.counts()
+        out: dict[str, Any] = self.keeper.info() if self.keeper else {}
+        out.update(self.reaper.info() if self.reaper else {})
+        out.update({
+            "claims": claimed, "parked": parked, "consuming": self.consuming,
+            "fenced": self.fenced_count, "duplicates_dropped": self.duplicates,
+            "poisoned": self.poisoned, "backlog": len(self.backlog),
+            "store": self.store.url if self.store else None, "pool": self.pool_name,
+            "broker": self.broker.kind if self.broker else None,
+            "on_lease_loss": self.config.on_lease_loss,
+        })
+        return out
+
+    def claims(self) -> list[dict[str, Any]]:
+        return [
+            {"task_id": h.task_id, "token": h.token, "delivery_tag": _jsonable(h.delivery_tag),
+             "queue": h.queue, "deliveries": h.deliveries, "parked": h.parked,
+             "waiting_for": h.holder if h.parked else None}
+            for h in self.book.snapshot()
+        ]
+
+
+class ClaimStep(bootsteps.StartStopStep):
+    """Consumer bootstep: claims every delivery before Celery builds its request."""
+
+    label = "crawl-claims"
+    name = "celery_crawl.worker.steps.ClaimStep"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        lease_step = getattr(c.controller, "crawl_lease", None)
+        if lease_step is None:
+            return
+        lease_step.attach(c)
+
+    def stop(self, c: Any) -> None:
+        lease_step = getattr(c.controller, "crawl_lease", None)
+        if lease_step is not None:
+            lease_step.detach(c)
+
+    def shutdown(self, c: Any) -> None:
+        self.stop(c)
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int | float | str):
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        return 0
+
+
+def _jsonable(value: Any) -> Any:
+    return value if isinstance(value, int | str | float) or value is None else str(value)
