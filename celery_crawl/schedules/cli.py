@@ -1,11 +1,187 @@
-"""`celery crawl` subcommands of the schedules plugin."""
+"""``celery -A proj crawl schedules check PATH...`` and ``celery -A proj crawl next NAME``.
+
+Both work without a broker or a lease store: they only read files and the app's configuration.
+Bad input ends with exit status 1 and a list of errors, never a traceback.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
 import click
 
-__all__ = ["register"]
+from ..config import DEFAULTS
+from ..errors import CrawlError, ScheduleFileError
+from .entry import EntrySpec
+from .files import LoadResult, check_duplicates_with_beat_schedule, load_schedule_files
+from .ids import task_id_for
+from .tzcron import TzCron
+
+__all__ = ["app_schedule", "register"]
+
+
+def _fmt_local(instant: datetime, spec: EntrySpec) -> str:
+    local = instant.astimezone(spec.schedule.tz)
+    return f"{local:%Y-%m-%d %H:%M:%S%z} {local.tzname()}"
+
+
+def _fmt_utc(instant: datetime) -> str:
+    return f"{instant.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}"
+
+
+def _fires(spec: EntrySpec, after: datetime, count: int) -> list[tuple[datetime, datetime]]:
+    out: list[tuple[datetime, datetime]] = []
+    for slot, fire in spec.schedule.fires(after, datetime.max.replace(tzinfo=UTC)):
+        out.append((slot, fire))
+        if len(out) >= count:
+            break
+    return out
+
+
+def _describe(spec: EntrySpec) -> str:
+    s = spec.schedule
+    parts = [f"cron {s.expr!r}", f"tz {s.zone_name}",
+             "fixed-time" if s.is_fixed_time else "wildcard"]
+    if s.is_fixed_time:
+        parts.append(f"gap={s.gap} fold={s.fold}")
+    if s.jitter:
+        parts.append(f"jitter={s.jitter:g}s")
+    if spec.queue:
+        parts.append(f"queue={spec.queue}")
+    if spec.paused:
+        parts.append("PAUSED")
+    return ", ".join(parts)
+
+
+def _print_errors(errors: list[ScheduleFileError]) -> None:
+    click.echo(f"{len(errors)} error(s):", err=True)
+    for error in errors:
+        click.echo(f"  {error}", err=True)
+
+
+def _now(ctx: click.Context | None = None) -> datetime:
+    # CRAWL_NOW pins "now" (ISO 8601, aware) for reproducible output in docs and tests.
+    pinned = os.environ.get("CRAWL_NOW")
+    if pinned:
+        try:
+            value = datetime.fromisoformat(pinned)
+        except ValueError:
+            raise click.UsageError(f"CRAWL_NOW={pinned!r} is not an ISO 8601 datetime") from None
+        if value.tzinfo is None:
+            raise click.UsageError(f"CRAWL_NOW={pinned!r} must include a UTC offset")
+        return value.astimezone(UTC)
+    return datetime.now(UTC)
+
+
+def _app(ctx: click.Context) -> Any:
+    obj = ctx.obj
+    app = getattr(obj, "app", None)
+    if app is None:
+        from celery import current_app
+
+        app = current_app._get_current_object()
+    return app
+
+
+def app_schedule(app: Any, *, base_dir: str = ".") -> LoadResult:
+    """The app's whole schedule: its schedule files plus ``TzCron`` entries of ``beat_schedule``.
+
+    File entries that clash with a ``beat_schedule`` name are reported and dropped (the
+    ``beat_schedule`` definition is kept). Never raises for bad input.
+    """
+    paths = app.conf.get("crawl_schedule_paths", DEFAULTS["crawl_schedule_paths"])
+    if isinstance(paths, str):
+        paths = [paths]
+    result = load_schedule_files(list(paths or []), base_dir=base_dir)
+    beat_schedule: Mapping[str, Any] = app.conf.get("beat_schedule") or {}
+    dups = check_duplicates_with_beat_schedule(result, beat_schedule)
+    result.errors.extend(dups)
+    for error in dups:
+        if error.entry is not None:
+            result.entries.pop(error.entry, None)
+            result.sources.pop(error.entry, None)
+    for name, entry in beat_schedule.items():
+        schedule = entry.get("schedule") if isinstance(entry, Mapping) else None
+        if isinstance(schedule, TzCron):
+            opts = dict(entry.get("options") or {})
+            result.entries[name] = EntrySpec(
+                name=name, task=str(entry.get("task")), schedule=schedule,
+                args=tuple(entry.get("args") or ()), kwargs=dict(entry.get("kwargs") or {}),
+                queue=opts.get("queue"), expires_s=opts.get("expires"),
+                priority=opts.get("priority"), source="beat_schedule",
+            )
+            result.sources[name] = "beat_schedule"
+    return result
+
+
+@click.group(name="schedules", help="Validate and preview schedule files.")
+def schedules() -> None:
+    """The ``crawl schedules`` group."""
+
+
+@schedules.command(name="check")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("-n", "--count", default=5, show_default=True, type=click.IntRange(1, 1000),
+              help="How many upcoming fires to show per entry.")
+def check(paths: tuple[str, ...], count: int) -> None:
+    """Validate schedule files (paths, directories or globs) and show each entry's next fires.
+
+    Exit status 1 when any file or entry is bad; the good entries are still shown.
+    """
+    try:
+        result = load_schedule_files(list(paths), base_dir=".")
+        now = _now()
+        for name, spec in result.entries.items():
+            click.echo(f"{name}  ({spec.source})  -> {spec.task}")
+            click.echo(f"  {_describe(spec)}")
+            for _slot, fire in _fires(spec, now, count):
+                click.echo(f"    {_fmt_local(fire, spec):<34} {_fmt_utc(fire)}")
+    except CrawlError as exc:  # a defect guard: the loader reports, it should not raise
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"{len(result.entries)} entr{'y' if len(result.entries) == 1 else 'ies'} ok "
+               f"in {len(result.files)} file(s)")
+    if result.errors:
+        _print_errors(result.errors)
+        sys.exit(1)
+
+
+@click.command(name="next")
+@click.argument("name")
+@click.option("-n", "count", default=5, show_default=True, type=click.IntRange(1, 10000),
+              help="How many upcoming fires to show.")
+@click.pass_context
+def next_(ctx: click.Context, name: str, count: int) -> None:
+    """Show the next fires of one entry of the app's schedule (files and beat_schedule)."""
+    app = _app(ctx)
+    result = app_schedule(app)
+    spec = result.entries.get(name)
+    if spec is None:
+        known = ", ".join(sorted(result.entries)) or "none"
+        click.echo(f"error: no entry {name!r} in the app's schedule (known: {known})", err=True)
+        bad = [e for e in result.errors if e.entry == name or e.entry is None]
+        if bad:
+            _print_errors(bad)
+        sys.exit(1)
+    namespace = app.conf.get("crawl_namespace") or getattr(app, "main", None) or "celery_crawl"
+    click.echo(f"{name}  ({spec.source})  -> {spec.task}")
+    click.echo(f"  {_describe(spec)}")
+    click.echo(f"    {'fire (' + spec.schedule.zone_name + ')':<34} {'fire (UTC)':<21} "
+               f"{'slot (UTC)':<21} task id")
+    try:
+        for slot, fire in _fires(spec, _now(), count):
+            click.echo(f"    {_fmt_local(fire, spec):<34} {_fmt_utc(fire):<21} "
+                       f"{_fmt_utc(slot):<21} {task_id_for(namespace, name, slot)}")
+    except CrawlError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
 
 
 def register(group: click.Group) -> None:
-    """Attach this plugin's subcommands to the `crawl` group."""
+    """Attach ``schedules check`` and ``next`` to the ``crawl`` group."""
+    group.add_command(schedules)
+    group.add_command(next_)

@@ -1,0 +1,73 @@
+"""``EntrySpec``: one schedule entry, fully validated, whichever place it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from .tzcron import TzCron
+
+__all__ = ["CATCHUP_POLICIES", "OVERLAP_POLICIES", "EntrySpec"]
+
+OVERLAP_POLICIES = ("skip", "buffer_one", "allow", "cancel_other")
+CATCHUP_POLICIES = ("none", "latest", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class EntrySpec:
+    """A periodic run definition: what to send, when, and how to treat overlaps and misses.
+
+    ``source`` is where it was defined (``"beat_schedules/prices.toml"`` or ``"beat_schedule"``)
+    so errors and ``status`` can point at it.
+    """
+
+    name: str
+    task: str
+    schedule: TzCron
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    queue: str | None = None
+    overlap: str = "skip"
+    catchup: str = "latest"
+    catchup_window_s: float = 3600.0
+    catchup_max: int = 10
+    expires_s: float | None = None
+    priority: int | None = None
+    paused: bool = False
+    source: str = ""
+
+    def options(self) -> dict[str, Any]:
+        """The publish options for ``apply_async`` (queue, expires, priority) that are set."""
+        out: dict[str, Any] = {}
+        if self.queue is not None:
+            out["queue"] = self.queue
+        if self.expires_s is not None:
+            out["expires"] = self.expires_s
+        if self.priority is not None:
+            out["priority"] = self.priority
+        return out
+
+    def fingerprint(self) -> str:
+        """A stable digest of everything that defines the runs.
+
+        Covers the schedule (cron, zone, gap, fold, jitter), the task, its arguments, the queue
+        and the run options. ``paused`` and ``source`` are left out: pausing an entry or moving
+        it to another file must not restart its history.
+        """
+        canon = {
+            "schedule": self.schedule.fingerprint(),
+            "task": self.task,
+            "args": list(self.args),
+            "kwargs": self.kwargs,
+            "queue": self.queue,
+            "overlap": self.overlap,
+            "catchup": self.catchup,
+            "catchup_window_s": self.catchup_window_s,
+            "catchup_max": self.catchup_max,
+            "expires_s": self.expires_s,
+            "priority": self.priority,
+        }
+        text = json.dumps(canon, sort_keys=True, separators=(",", ":"), default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()

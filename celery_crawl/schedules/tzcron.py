@@ -1,0 +1,302 @@
+"""``TzCron``: a Celery schedule with an explicit IANA zone and an exact DST rule.
+
+Thin glue: the wall-time pattern lives in :mod:`.cron`, the DST rule in :mod:`.slots`, the
+jitter in :mod:`.jitter`. This class adds option validation, serialisation (pickle for stock
+beat's shelve, JSON for stores) and the ``BaseSchedule`` interface (``is_due``,
+``remaining_estimate``) so stock ``celery beat`` can use it as well as the leased scheduler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from celery.schedules import BaseSchedule, schedstate
+
+from ..durations import parse_duration
+from ..errors import ConfigError, ScheduleError
+from .cron import CronExpr
+from .jitter import jitter_offset_s
+from .slots import SlotRule
+from .zones import load_zone
+
+__all__ = ["TzCron"]
+
+_DICT_KEYS = ("expr", "tz", "name", "gap", "fold", "jitter")
+_KIND = "tzcron"
+
+
+def _jitter_s(value: object) -> float:
+    if isinstance(value, str):
+        try:
+            return parse_duration(value, what="jitter")
+        except ConfigError as exc:
+            raise ScheduleError(str(exc)) from exc
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ScheduleError(f"jitter: expected seconds (a number), got {type(value).__name__}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ScheduleError(f"jitter: must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
+
+
+def _aware_utc(dt: datetime, what: str) -> datetime:
+    if not isinstance(dt, datetime):
+        raise ScheduleError(f"{what}: expected a datetime, got {type(dt).__name__}")
+    # Naive datetimes are UTC, as in celery.schedules.crontab (maybe_make_aware, naive_as_utc).
+    if dt.tzinfo is None or dt.utcoffset() is None:
+        return dt.replace(tzinfo=UTC)
+    return dt.astimezone(UTC)
+
+
+class TzCron(BaseSchedule):  # type: ignore[misc]
+    """A cron schedule in an explicit IANA zone, with cronie's DST rule and optional jitter.
+
+    Args:
+        expr: 5 fields, or 6 with seconds first; croniter syntax (``L``, ``W``, ``#``,
+            ``@daily``; ``H`` hashes on ``name``).
+        tz: an IANA zone name such as ``"Asia/Shanghai"`` (or a keyed ``ZoneInfo``).
+        name: the entry name; seeds ``H`` fields and the jitter hash.
+        gap: ``"shift"`` (a fixed-time run skipped by a spring-forward jump fires once at the
+            jump) or ``"skip"``.
+        fold: ``"first"``, ``"last"`` or ``"both"`` passes of a repeated hour, for fixed-time
+            jobs (wildcard jobs always fire on both passes).
+        jitter: seconds (or a duration string); each run is delayed by a deterministic amount in
+            ``[0, jitter]``, capped at half the distance to the next slot.
+
+    Raises:
+        ScheduleError: naming the expression or zone and the reason.
+    """
+
+    def __init__(
+        self,
+        expr: str,
+        tz: str | ZoneInfo,
+        *,
+        name: str | None = None,
+        gap: str = "shift",
+        fold: str = "first",
+        jitter: float = 0,
+        nowfun: Callable[[], datetime] | None = None,
+        app: Any = None,
+    ) -> None:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ScheduleError(f"name: expected a non-empty string, got {name!r}")
+        self._name = name
+        self._cron = CronExpr(expr, hash_id=name)
+        self._zone = load_zone(tz)
+        self._rule = SlotRule(self._cron, self._zone, gap=gap, fold=fold)
+        self._jitter_s = _jitter_s(jitter)
+        super().__init__(nowfun=nowfun, app=app)
+
+    # -- description ---------------------------------------------------------------------------
+
+    @property
+    def expr(self) -> str:
+        """The cron expression as given (surrounding whitespace removed)."""
+        return self._cron.expr
+
+    @property  # type: ignore[override]
+    def tz(self) -> ZoneInfo:
+        """The entry's zone (overrides ``BaseSchedule.tz``, which is the app's zone)."""
+        return self._zone
+
+    @property
+    def zone_name(self) -> str:
+        """The IANA name of the zone."""
+        key = self._zone.key
+        assert key is not None
+        return key
+
+    @property
+    def name(self) -> str | None:
+        """The entry name that seeds ``H`` fields and jitter."""
+        return self._name
+
+    @property
+    def gap(self) -> str:
+        """The gap policy: ``"shift"`` or ``"skip"``."""
+        return self._rule.gap
+
+    @property
+    def fold(self) -> str:
+        """The fold policy: ``"first"``, ``"last"`` or ``"both"``."""
+        return self._rule.fold
+
+    @property
+    def jitter(self) -> float:
+        """Maximum jitter in seconds."""
+        return self._jitter_s
+
+    @property
+    def is_fixed_time(self) -> bool:
+        """True when neither minute nor hour starts with ``*`` (cronie's fixed-time test)."""
+        return self._cron.is_fixed_time
+
+    # -- slots and fires -----------------------------------------------------------------------
+
+    def next_slot(self, after: datetime) -> datetime:
+        """The first nominal slot strictly after ``after`` (aware), as aware UTC."""
+        if not isinstance(after, datetime) or after.tzinfo is None:
+            raise ScheduleError(f"next_slot: expected an aware datetime, got {after!r}")
+        return self._rule.next_slot(after)
+
+    def slots(self, start: datetime, end: datetime) -> Iterator[datetime]:
+        """Nominal slots in ``(start, end]`` (both aware), in order."""
+        if start.tzinfo is None or end.tzinfo is None:
+            raise ScheduleError("slots: start and end must be aware datetimes")
+        return self._rule.slots(start, end)
+
+    def fire_time(self, slot: datetime) -> datetime:
+        """When the run of ``slot`` fires: the slot plus its deterministic jitter (aware UTC)."""
+        slot = _aware_utc(slot, "slot")
+        if self._jitter_s <= 0:
+            return slot
+        room_s = (self._rule.next_slot(slot) - slot).total_seconds()
+        offset = jitter_offset_s(self._name, slot, self._jitter_s, room_s)
+        return slot + timedelta(seconds=offset)
+
+    def next_fire(self, after: datetime) -> datetime:
+        """The first fire instant strictly after ``after`` (aware), as aware UTC.
+
+        With jitter a slot at or before ``after`` can still fire after it, so the search starts
+        ``jitter`` seconds earlier.
+        """
+        if not isinstance(after, datetime) or after.tzinfo is None:
+            raise ScheduleError(f"next_fire: expected an aware datetime, got {after!r}")
+        a = after.astimezone(UTC)
+        if self._jitter_s <= 0:
+            return self._rule.next_slot(a)
+        slot = self._rule.next_slot(a - timedelta(seconds=self._jitter_s))
+        while True:
+            following = self._rule.next_slot(slot)
+            room_s = (following - slot).total_seconds()
+            fire = slot + timedelta(
+                seconds=jitter_offset_s(self._name, slot, self._jitter_s, room_s)
+            )
+            if fire > a:
+                return fire
+            slot = following
+
+    def fires(self, start: datetime, end: datetime) -> Iterator[tuple[datetime, datetime]]:
+        """``(slot, fire instant)`` pairs for the fires in ``(start, end]``, in order."""
+        current = start
+        end_utc = end.astimezone(UTC)
+        while True:
+            fire = self.next_fire(current)
+            if fire > end_utc:
+                return
+            slot = fire
+            if self._jitter_s > 0:
+                slot = self._rule.next_slot(fire - timedelta(seconds=self._jitter_s))
+                while self.fire_time(slot) != fire:
+                    slot = self._rule.next_slot(slot)
+            yield slot, fire
+            current = fire
+
+    # -- BaseSchedule --------------------------------------------------------------------------
+
+    def _now_utc(self) -> datetime:
+        return _aware_utc(self.now(), "now")
+
+    def remaining_estimate(self, last_run_at: datetime) -> timedelta:
+        """Time from now until the first fire after ``last_run_at`` (negative when overdue)."""
+        last = _aware_utc(last_run_at, "last_run_at")
+        return self.next_fire(last) - self._now_utc()
+
+    def is_due(self, last_run_at: datetime) -> schedstate:
+        """Stock beat's question: is a fire due since ``last_run_at``, and when to ask again.
+
+        A beat that was down over several slots runs the entry once (as ``crontab`` does); the
+        leased scheduler has its own catch-up policy on top of ``next_fire``.
+        """
+        now = self._now_utc()
+        due_at = self.next_fire(_aware_utc(last_run_at, "last_run_at"))
+        if due_at <= now:
+            return schedstate(True, max(0.0, (self.next_fire(now) - now).total_seconds()))
+        return schedstate(False, max(0.0, (due_at - now).total_seconds()))
+
+    # -- identity and serialisation ------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe description; ``from_dict`` restores an equal schedule."""
+        return {
+            "kind": _KIND,
+            "expr": self.expr,
+            "tz": self.zone_name,
+            "name": self._name,
+            "gap": self.gap,
+            "fold": self.fold,
+            "jitter": self._jitter_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TzCron:
+        """Rebuild from ``to_dict()`` output.
+
+        Raises:
+            ScheduleError: for a mapping that is not a TzCron description.
+        """
+        if not isinstance(data, Mapping):
+            raise ScheduleError(f"TzCron.from_dict: expected a mapping, got {type(data).__name__}")
+        if data.get("kind", _KIND) != _KIND:
+            raise ScheduleError(f"TzCron.from_dict: kind {data.get('kind')!r} is not {_KIND!r}")
+        unknown = sorted(set(data) - {*_DICT_KEYS, "kind"})
+        if unknown:
+            raise ScheduleError(f"TzCron.from_dict: unknown key {unknown[0]!r}")
+        if "expr" not in data or "tz" not in data:
+            raise ScheduleError("TzCron.from_dict: 'expr' and 'tz' are required")
+        return cls(
+            data["expr"],
+            data["tz"],
+            name=data.get("name"),
+            gap=data.get("gap", "shift"),
+            fold=data.get("fold", "first"),
+            jitter=data.get("jitter", 0),
+        )
+
+    def fingerprint(self) -> str:
+        """A stable digest of what defines the slots and fires: expr, zone, gap, fold, jitter."""
+        canon = {
+            "expr": " ".join(self._cron.fields),
+            "tz": self.zone_name,
+            "gap": self.gap,
+            "fold": self.fold,
+            "jitter": self._jitter_s,
+        }
+        text = json.dumps(canon, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The app and nowfun are process-local; like celery's crontab, they are not pickled.
+        return (_from_dict, (self.to_dict(),))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TzCron):
+            return self.to_dict() == other.to_dict()
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.expr, self.zone_name, self._name, self.gap, self.fold, self._jitter_s))
+
+    def __repr__(self) -> str:
+        extra = "".join(
+            f", {k}={v!r}"
+            for k, v, default in (
+                ("name", self._name, None),
+                ("gap", self.gap, "shift"),
+                ("fold", self.fold, "first"),
+                ("jitter", self._jitter_s, 0.0),
+            )
+            if v != default
+        )
+        return f"<TzCron {self.expr!r} {self.zone_name}{extra}>"
+
+
+def _from_dict(data: Mapping[str, Any]) -> TzCron:
+    return TzCron.from_dict(data)
