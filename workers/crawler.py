@@ -47,7 +47,8 @@ from .sink import PageRecord, Sink
 __all__ = ["app", "backoff_s", "crawl_item", "crawl_listing", "crawl_site", "settings"]
 
 logger = get_task_logger(__name__)
-log = logging.getLogger(__name__)
+# httpx logs every request at INFO; the crawler logs its own decisions instead.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 settings = CrawlerSettings.from_env()
 
@@ -254,8 +255,9 @@ def _store(task: Task, url: str, result: Page | FetchError, token: int) -> dict[
         resources().sink.upsert(record, token)
     except FencedError as exc:
         logger.warning("stale write refused: %s", exc)
-        return {"url": url, "outcome": "fenced", "token": token}
-    return {"url": url, "outcome": record.outcome, "token": token}
+        return {"url": url, "outcome": "fenced", "token": token, "worker": task.request.hostname}
+    return {"url": url, "outcome": record.outcome, "token": token,
+            "worker": task.request.hostname}
 
 
 def _child_id(parent_id: str, url: str) -> str:

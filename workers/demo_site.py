@@ -16,7 +16,7 @@
 ``/huge?mb=N&cl=0``            an N MiB page, chunked (``cl=1``: with Content-Length)
 ``/binary``                    an ``image/png`` body
 ``/loop/<i>``                  redirects to ``/loop/<i+1>`` forever
-``/hits``                      JSON: every request seen (path, wall time, via proxy or not)
+``/hits``                      JSON: every request seen (path, start and end wall time, via)
 =============================  ==============================================================
 
 The proxy (``DemoProxy``) is a plain HTTP forward proxy: it takes absolute-form requests,
@@ -114,12 +114,14 @@ class _SiteHandler(BaseHTTPRequestHandler):
         path = parts.path
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         via = PROXY_VIA in self.headers.get("Via", "")
-        site.record(path, via)
+        hit = site.record(path, via)
         segs = [s for s in path.split("/") if s]
         try:
             self._route(site, segs, query, via)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+        finally:
+            hit["end"] = time.time()
 
     def _route(self, site: DemoSite, segs: list[str], query: dict[str, str], via: bool) -> None:
         head = segs[0] if segs else ""
@@ -224,10 +226,13 @@ class DemoSite(_Base):
         self._hits: list[dict[str, Any]] = []
         self._counts: Counter[str] = Counter()
 
-    def record(self, path: str, via: bool) -> None:
+    def record(self, path: str, via: bool) -> dict[str, Any]:
+        """Log one request; the handler sets the returned record's ``end`` when it is done."""
+        hit: dict[str, Any] = {"path": path, "at": time.time(), "end": None, "via": via}
         with self._lock:
-            self._hits.append({"path": path, "at": time.time(), "via": via})
+            self._hits.append(hit)
             self._counts["/".join(s for s in path.split("/") if s)] += 1
+        return hit
 
     def count(self, key: str) -> int:
         """How many times the page ``key`` (path without slashes at the ends) was requested."""

@@ -41,7 +41,6 @@ __all__ = [
 #: Bodies of other types are not read at all (an image or archive is not a page).
 ACCEPTED_CONTENT_TYPES = frozenset({"text/html", "application/xhtml+xml", "text/plain"})
 _USER_AGENT = "celery-crawl-demo/0.1 (+https://github.com/celery-crawl)"
-_CHUNK = 16 * 1024
 
 
 class FetchError(CrawlError):
@@ -198,7 +197,7 @@ class Fetcher:
             raise FetchError(url, "too-large", f"Content-Length {declared} > {cap}",
                              retryable=False, status=status)
         body = bytearray()
-        for chunk in response.iter_bytes(_CHUNK):
+        for chunk in response.iter_bytes():
             body += chunk
             if len(body) > cap:
                 # Stop reading here: the rest of an oversize body never reaches memory.

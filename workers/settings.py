@@ -58,6 +58,8 @@ class CrawlerSettings:
         metrics_port: ``CRAWL_METRICS_PORT`` for this process, or None.
         beat_lease_ttl_s, worker_lease_ttl_s: optional overrides (``CRAWL_BEAT_LEASE_TTL``,
             ``CRAWL_WORKER_LEASE_TTL``); None keeps celery-crawl's defaults.
+        visibility_timeout_s: Redis broker ``visibility_timeout`` (``CRAWL_VISIBILITY_TIMEOUT``);
+            None keeps kombu's (1 h). The worker plugin recovers a dead worker's tasks sooner.
     """
 
     redis_url: str
@@ -87,6 +89,7 @@ class CrawlerSettings:
     metrics_port: int | None
     beat_lease_ttl_s: float | None
     worker_lease_ttl_s: float | None
+    visibility_timeout_s: float | None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> CrawlerSettings:
@@ -143,6 +146,7 @@ class CrawlerSettings:
             metrics_port=_port(e, "CRAWL_METRICS_PORT"),
             beat_lease_ttl_s=_optional_seconds(e, "CRAWL_BEAT_LEASE_TTL"),
             worker_lease_ttl_s=_optional_seconds(e, "CRAWL_WORKER_LEASE_TTL"),
+            visibility_timeout_s=_optional_seconds(e, "CRAWL_VISIBILITY_TIMEOUT"),
         )
 
     def celery_conf(self, *, audited_backend: bool) -> dict[str, Any]:
@@ -180,6 +184,8 @@ class CrawlerSettings:
             conf["crawl_beat_lease_ttl"] = self.beat_lease_ttl_s
         if self.worker_lease_ttl_s is not None:
             conf["crawl_worker_lease_ttl"] = self.worker_lease_ttl_s
+        if self.visibility_timeout_s is not None:
+            conf["broker_transport_options"] = {"visibility_timeout": self.visibility_timeout_s}
         return conf
 
 

