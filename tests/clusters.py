@@ -216,6 +216,21 @@ class EtcdCluster:
         member: EtcdMember = wait_until(found, timeout_s, interval_s=0.2, what="an etcd leader")
         return member
 
+    def move_leader(self, to: EtcdMember, timeout_s: float = 30.0) -> None:
+        """Hand raft leadership to ``to`` (``etcdctl move-leader``), e.g. away from the member
+        the clients talk to, so that killing the leader is a failover and not an outage."""
+        leader = self.wait_leader()
+        if leader is to:
+            return
+        st = to.status()
+        assert st is not None, f"{to.name} is not answering"
+        subprocess.run(
+            [shutil.which("etcdctl") or "etcdctl", f"--endpoints={leader.endpoint}",
+             "--command-timeout=5s", "move-leader", f"{int(st['member_id']):x}"],
+            capture_output=True, timeout=10, env={**os.environ, "ETCDCTL_API": "3"}, check=True)
+        wait_until(lambda: self.leader() is to, timeout_s, interval_s=0.2,
+                   what=f"{to.name} to lead")
+
     def followers(self) -> list[EtcdMember]:
         leader = self.leader()
         return [m for m in self.members if m is not leader and m.alive()]

@@ -1,0 +1,273 @@
+"""The servers and celery processes of one soak run.
+
+* the *stack* Redis (AOF on, ``appendfsync always``): broker (db 0), audited result backend
+  (db 0) and, in the Redis run, the lease store — everything a Redis fault hits;
+* for the etcd run, a 3-member etcd cluster holding the leases;
+* the *sink* Redis: where the recorder writes its evidence; no fault ever touches it;
+* three ``celery beat -S celery_crawl.beat:LeasedScheduler`` replicas and two prefork workers,
+  each in its own session (``tests.procs.Proc``), restartable, one replica optionally under
+  libfaketime (preloaded into that process only).
+
+A process that exits while the soak did not stop it is an *unexpected exit*: it is counted,
+its log tail kept, and it is restarted so the soak goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import textwrap
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.clusters import EtcdCluster
+from tests.procs import CELERY, Proc, celery_args, faketime_lib, worker_args
+from tests.servers import RedisServer, wait_until
+
+__all__ = ["ENTRIES", "Member", "Stack"]
+
+APP = "tests.system.soak.recorder"
+
+#: The soak's schedule: every-second and every-few-seconds TzCron entries in several zones,
+#: with mixed overlap and catch-up policies. ``duration_s`` is how long each run works.
+ENTRIES: dict[str, dict[str, Any]] = {
+    "sec-latest": {"cron": "* * * * * *", "tz": "UTC", "duration_s": 0.2,
+                   "overlap": "skip", "catchup": "latest"},
+    "sec-all": {"cron": "* * * * * *", "tz": "Europe/Berlin", "duration_s": 0.1,
+                "overlap": "allow", "catchup": "all", "catchup_window": "20s",
+                "catchup_max": 5},
+    "three-skip": {"cron": "*/3 * * * * *", "tz": "Asia/Shanghai", "duration_s": 4.0,
+                   "overlap": "skip", "catchup": "none"},
+    "two-buffer": {"cron": "*/2 * * * * *", "tz": "America/New_York", "duration_s": 2.5,
+                   "overlap": "buffer_one", "catchup": "latest"},
+    "five-cancel": {"cron": "*/5 * * * * *", "tz": "Australia/Lord_Howe", "duration_s": 0.5,
+                    "overlap": "cancel_other", "catchup": "all", "catchup_window": "30s"},
+}
+
+
+def schedule_toml(entries: dict[str, dict[str, Any]]) -> str:
+    """The schedule file of the soak (TOML, as users write it)."""
+    out = ['[defaults]', 'queue = "celery"', ""]
+    for name, spec in entries.items():
+        out.append(f"[entries.{name}]")
+        out.append('task = "soak.record"')
+        out.append(f'cron = "{spec["cron"]}"')
+        out.append(f'tz = "{spec["tz"]}"')
+        out.append(f'args = ["{name}", {spec["duration_s"]}]')
+        for key in ("overlap", "catchup", "catchup_window", "catchup_max"):
+            if key in spec:
+                value = spec[key]
+                out.append(f"{key} = " + (f'"{value}"' if isinstance(value, str) else str(value)))
+        out.append("")
+    return "\n".join(out)
+
+
+@dataclass
+class Member:
+    """One beat replica or worker: its command, its current process, how it was last stopped."""
+
+    name: str
+    role: str  # "beat" | "worker"
+    args: list[str]
+    env: dict[str, str]
+    log_dir: Path
+    proc: Proc | None = None
+    skew: str | None = None  # libfaketime offset, e.g. "+5s"; None: the real clock
+    expected_down: bool = False
+    stopped: bool = False  # SIGSTOPped by the soak
+    starts: int = 0
+    exits: list[str] = field(default_factory=list)
+
+    def start(self) -> None:
+        env = dict(self.env)
+        preload = None
+        if self.skew:
+            preload = faketime_lib()
+            assert preload, "libfaketime is not installed (apt-get install faketime)"
+            env.update(FAKETIME=self.skew, FAKETIME_DONT_FAKE_MONOTONIC="1",
+                       FAKETIME_NO_CACHE="1")
+        self.starts += 1
+        log = self.log_dir / f"{self.name}.{self.starts}.log"
+        self.proc = Proc(self.args, env=env, log_path=log, preload=preload)
+        self.expected_down = False
+        self.stopped = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None:
+            self.proc.signal_group(sig)
+        if sig == signal.SIGSTOP:
+            self.stopped = True
+        elif sig == signal.SIGCONT:
+            self.stopped = False
+
+    def kill9(self) -> None:
+        self.expected_down = True
+        if self.proc is not None:
+            self.proc.kill9()
+            self.proc.stop(grace_s=0)
+
+    def terminate(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM (after SIGCONT, in case it is stopped) and wait; SIGKILL after the grace."""
+        self.expected_down = True
+        if self.proc is None:
+            return None
+        self.proc.signal_group(signal.SIGCONT)
+        code = self.proc.stop(grace_s=grace_s)
+        self.stopped = False
+        return code
+
+    def log_tail(self, n: int = 30) -> str:
+        text = self.proc.log() if self.proc is not None else ""
+        return "\n".join(text.splitlines()[-n:])
+
+
+class Stack:
+    """Servers and processes of one soak run on one lease store (``"redis"`` or ``"etcd"``)."""
+
+    def __init__(self, store: str, workdir: Path, *, ttl_s: float = 3.0, beats: int = 3,
+                 workers: int = 2, concurrency: int = 3) -> None:
+        if store not in ("redis", "etcd"):
+            raise ValueError(f"store must be 'redis' or 'etcd', not {store!r}")
+        self.store_kind = store
+        self.workdir = workdir
+        self.ttl_s = ttl_s
+        self.namespace = f"soak{os.getpid()}{store}"
+        self.redis = RedisServer(appendonly=True)
+        self.sink = RedisServer()
+        self.etcd: EtcdCluster | None = EtcdCluster() if store == "etcd" else None
+        self.beats: list[Member] = []
+        self.workers: list[Member] = []
+        self._n_beats = beats
+        self._n_workers = workers
+        self._concurrency = concurrency
+        self.unexpected_exits: list[str] = []
+        self.lock = threading.RLock()
+
+    # -- servers ----------------------------------------------------------------------------
+    @property
+    def lease_url(self) -> str:
+        if self.etcd is not None:
+            return self.etcd_endpoint.url
+        return self.redis.url
+
+    @property
+    def etcd_endpoint(self) -> Any:
+        """The etcd member the processes talk to (python-etcd3 uses a single endpoint)."""
+        assert self.etcd is not None
+        return self.etcd.members[0]
+
+    def env(self) -> dict[str, str]:
+        return {
+            "SOAK_BROKER_URL": self.redis.url,
+            "SOAK_BACKEND_URL": f"crawlredis://127.0.0.1:{self.redis.port}/0",
+            "SOAK_LEASE_URL": self.lease_url,
+            "SOAK_NAMESPACE": self.namespace,
+            "SOAK_SCHEDULES": str(self.workdir / "schedules" / "*.toml"),
+            "SOAK_SINK_URL": self.sink.url,
+            "SOAK_BEAT_TTL": str(self.ttl_s),
+            "SOAK_WORKER_TTL": str(self.ttl_s),
+            "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python",
+        }
+
+    def start(self) -> Stack:
+        (self.workdir / "schedules").mkdir(parents=True, exist_ok=True)
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.workdir / "schedules" / "soak.toml").write_text(schedule_toml(ENTRIES))
+        self.redis.start()
+        self.sink.start()
+        if self.etcd is not None:
+            self.etcd.start()
+        env = self.env()
+        logs = self.workdir / "logs"
+        for i in range(self._n_beats):
+            args = celery_args(APP, "beat", "-S", "celery_crawl.beat:LeasedScheduler",
+                               "-l", "INFO", "-s", str(self.workdir / f"beat{i}-schedule"),
+                               "--max-interval", "1")
+            self.beats.append(Member(f"beat{i}", "beat", args, env, logs))
+        for i in range(self._n_workers):
+            args = worker_args(APP, concurrency=self._concurrency, hostname=f"w{i}@soak")
+            self.workers.append(Member(f"w{i}", "worker", args, env, logs))
+        for m in [*self.workers, *self.beats]:
+            m.start()
+        return self
+
+    # -- process supervision ----------------------------------------------------------------
+    def members(self) -> list[Member]:
+        return [*self.beats, *self.workers]
+
+    def by_pid(self, pid: int) -> Member | None:
+        return next((m for m in self.members() if m.pid == pid), None)
+
+    def check_exits(self) -> None:
+        """Count and restart processes that exited although the soak did not stop them."""
+        with self.lock:
+            for m in self.members():
+                if m.proc is None or m.expected_down or m.alive():
+                    continue
+                code = m.proc.proc.returncode
+                tail = m.log_tail()
+                self.unexpected_exits.append(f"{m.name} (exit {code}):\n{tail}")
+                m.exits.append(f"exit {code}")
+                m.proc.stop(grace_s=0)
+                m.start()
+
+    def beat_exits(self) -> int:
+        return sum(1 for e in self.unexpected_exits if e.startswith("beat"))
+
+    # -- teardown ---------------------------------------------------------------------------
+    def stop(self) -> dict[str, int | None]:
+        """SIGTERM every process (beats first, so the lease is released), then the servers."""
+        codes: dict[str, int | None] = {}
+        with self.lock:
+            for m in [*self.beats, *self.workers]:
+                with contextlib.suppress(Exception):
+                    codes[m.name] = m.terminate(grace_s=8.0)
+        return codes
+
+    def cleanup(self) -> None:
+        with self.lock:
+            for m in self.members():
+                if m.proc is not None:
+                    m.expected_down = True
+                    with contextlib.suppress(Exception):
+                        m.proc.signal_group(signal.SIGCONT)
+                        m.proc.stop(grace_s=0)
+        self.redis.cleanup()
+        self.sink.cleanup()
+        if self.etcd is not None:
+            self.etcd.cleanup()
+
+    # -- operator view ----------------------------------------------------------------------
+    def celery(self, *rest: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Run ``celery -A <soak app> ...`` with this stack's environment."""
+        from tests.procs import ROOT
+
+        env = {**os.environ, **self.env(), "PYTHONPATH": str(ROOT)}
+        return subprocess.run([CELERY, "-A", APP, *rest], capture_output=True, text=True,
+                              timeout=timeout_s, env=env, cwd=str(ROOT))
+
+    def wait_sink(self, timeout_s: float) -> None:
+        wait_until(lambda: self.sink.client().ping(), timeout_s, what="sink redis")
+
+    def describe(self) -> str:
+        return textwrap.dedent(f"""\
+            store={self.store_kind} lease_url={self.lease_url} namespace={self.namespace}
+            stack redis={self.redis.url} (AOF always) sink={self.sink.url}
+            workdir={self.workdir}""")
+
+
+def now() -> float:
+    """Wall clock for the soak's own timeline (epoch seconds, like the recorder's records)."""
+    return time.time()
