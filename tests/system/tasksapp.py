@@ -1,0 +1,139 @@
+"""Celery app for the tasks/backend system tests (``celery -A tests.system.tasksapp worker``).
+
+Broker, results and side-effect records live on one private redis-server whose port comes from
+``TASKSAPP_REDIS_PORT`` (db 1: broker, db 0: results, db 2: what the tasks did).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from celery import Celery
+
+from celery_crawl.tasks import IdempotentTask, remaining
+
+app = Celery("tasksapp")
+
+
+def configure(port: int) -> None:
+    """Point the app at the test's redis-server (before the backend is first used)."""
+    app.conf.update(
+        broker_url=f"redis://127.0.0.1:{port}/1",
+        result_backend=f"crawlredis://127.0.0.1:{port}/0",
+        crawl_namespace="tasksapp",
+        crawl_worker_lease_ttl=3,
+        result_expires=600,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_track_started=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": 4, "unacked_restore_interval": 1,
+                                  "unacked_restore_throttle": 1},
+        redis_socket_timeout=5,
+        redis_socket_connect_timeout=5,
+    )
+
+
+if os.environ.get("TASKSAPP_REDIS_PORT"):
+    configure(int(os.environ["TASKSAPP_REDIS_PORT"]))
+
+
+def side() -> redis.Redis:
+    """Client for db 2, where tasks record what they did."""
+    port = int(os.environ.get("TASKSAPP_REDIS_PORT") or app.conf.broker_url.rsplit(":", 1)[1]
+               .split("/")[0])
+    return redis.Redis(host="127.0.0.1", port=port, db=2, socket_timeout=5,
+                       socket_connect_timeout=5)
+
+
+@app.task
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task
+def total(values: list[int]) -> int:
+    return sum(values)
+
+
+class Recorded(IdempotentTask):  # type: ignore[misc]
+    """Records every rollback as ``rollbacks:<name>`` in db 2."""
+
+    idempotency_heartbeat_ttl_s = 3.0
+    rollback_backoff_s = 0.05
+
+    def rollback(self, exc, task_id, args, kwargs):  # type: ignore[no-untyped-def]
+        name = args[0]
+        r = side()
+        r.rpush(f"rollback-start:{name}", task_id)
+        if r.get(f"rollback-hang:{name}") and r.incr(f"rollback-hung:{name}") == 1:
+            time.sleep(60)  # the test kills the worker here
+        if r.incr(f"rollback-fail:{name}") <= int(r.get(f"rollback-fails:{name}") or 0):
+            raise RuntimeError("rollback failed on purpose")
+        r.rpush(f"rollbacks:{name}", task_id)
+
+
+@app.task(bind=True, base=Recorded)
+def flaky(self, name: str, retries: int) -> str:
+    """Fails; retries ``retries`` times first (the rollback must run once, at the end)."""
+    r = side()
+    r.rpush(f"runs:{name}", self.request.id)
+    if self.request.retries < retries:
+        raise self.retry(countdown=0.05, max_retries=retries)
+    raise ValueError(f"{name} failed for good")
+
+
+@app.task(bind=True, base=Recorded)
+def slow(self, name: str, seconds: float, fail: bool = False) -> str:
+    """Runs for ``seconds``; records its start (to test concurrent duplicate deliveries)."""
+    r = side()
+    r.rpush(f"runs:{name}", self.request.id)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    if fail:
+        raise ValueError(f"{name} failed")
+    return f"done:{name}"
+
+
+class Keyed(Recorded):
+    def idempotency_key(self, args, kwargs):  # type: ignore[no-untyped-def]
+        return f"keyed:{args[0]}"
+
+
+@app.task(bind=True, base=Keyed)
+def keyed(self, name: str, fail: bool = False) -> dict[str, object]:
+    """Keyed by ``name``: a second call with the same name replays the first outcome."""
+    side().rpush(f"runs:{name}", self.request.id)
+    if fail:
+        raise KeyError(f"{name} is broken")
+    return {"name": name, "by": self.request.id}
+
+
+@app.task(bind=True, base=IdempotentTask)
+def probe(self, previous: list[dict[str, object]] | None = None) -> list[dict[str, object]]:
+    """Returns what each link of a chain saw of its deadline."""
+    seen = list(previous or [])
+    seen.append({
+        "id": self.request.id,
+        "deadline": getattr(self.request, "crawl_deadline", None),
+        "remaining": self.remaining(),
+        "expires": self.request.expires,
+        "timelimit": list(self.request.timelimit or (None, None)),
+    })
+    return seen
+
+
+@app.task(bind=True)
+def stock_probe(self, previous: list[dict[str, object]]) -> list[dict[str, object]]:
+    """A plain task in the chain: it inherits the deadline through the message headers."""
+    return [*previous, {
+        "id": self.request.id,
+        "deadline": getattr(self.request, "crawl_deadline", None),
+        "remaining": remaining(),
+        "expires": self.request.expires,
+        "timelimit": list(self.request.timelimit or (None, None)),
+    }]

@@ -1,0 +1,143 @@
+"""IdempotentTask and AuditedRedisBackend with real celery workers (prefork) on a real Redis."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import redis
+from celery import chain, chord, group
+from celery.app.task import Context
+
+from celery_crawl.backends.audit import history, verify
+from celery_crawl.tasks import ROLLED_BACK, deadline_headers
+from tests.procs import Proc, worker_args
+from tests.servers import RedisServer, wait_until
+from tests.system import tasksapp
+
+pytestmark = pytest.mark.system
+
+APP = "tests.system.tasksapp"
+TIMEOUT_S = 30  # generous: the machine is small and shared
+
+
+def _start_worker(port: int, log_dir: Path, name: str, concurrency: int = 2) -> Proc:
+    return Proc(worker_args(APP, concurrency=concurrency, hostname=f"{name}-{uuid.uuid4().hex[:6]}@%h"),
+                env={"TASKSAPP_REDIS_PORT": str(port)}, log_path=log_dir / f"{name}.log")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, Proc]]:
+    server = RedisServer().start()
+    tasksapp.configure(server.port)
+    log_dir = tmp_path_factory.mktemp("tasks-worker")
+    worker = _start_worker(server.port, log_dir, "main")
+    try:
+        assert tasksapp.add.delay(1, 2).get(timeout=60) == 3, worker.log()
+        yield server, worker
+    finally:
+        worker.stop()
+        server.cleanup()
+
+
+def _side(server: RedisServer) -> redis.Redis:
+    return server.client(db=2)
+
+
+def _list(server: RedisServer, key: str) -> list[str]:
+    return [v.decode() for v in _side(server).lrange(key, 0, -1)]
+
+
+def _name() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def test_rollback_runs_once_after_the_final_failure_not_on_retries(stack) -> None:
+    server, _ = stack
+    name = _name()
+    result = tasksapp.flaky.delay(name, 2)
+    with pytest.raises(ValueError, match="failed for good"):
+        result.get(timeout=TIMEOUT_S)
+    assert len(_list(server, f"runs:{name}")) == 3
+    assert _list(server, f"rollbacks:{name}") == [result.id]
+    meta = tasksapp.app.backend.get_task_meta(result.id, cache=False)
+    assert meta["crawl_rollback"] == ROLLED_BACK
+    states = [(r.state, r.outcome, r.rollback) for r in history(tasksapp.app.backend, result.id)]
+    assert ("FAILURE", "written", ROLLED_BACK) in states
+    assert [s for s, _, _ in states].count("RETRY") == 2
+
+
+def test_duplicate_deliveries_run_and_roll_back_once(stack) -> None:
+    server, _ = stack
+    name = _name()
+    task_id = str(uuid.uuid4())
+    first = tasksapp.slow.apply_async((name, 1.5, True), task_id=task_id)
+    wait_until(lambda: _list(server, f"runs:{name}"), TIMEOUT_S, what="first delivery running")
+    tasksapp.slow.apply_async((name, 1.5, True), task_id=task_id)  # delivered while it runs
+    with pytest.raises(ValueError):
+        first.get(timeout=TIMEOUT_S)
+    tasksapp.slow.apply_async((name, 1.5, True), task_id=task_id)  # delivered after it ended
+    # A marker task behind the duplicates: once it is done, both duplicates were consumed.
+    assert tasksapp.add.delay(2, 2).get(timeout=TIMEOUT_S) == 4
+    wait_until(lambda: tasksapp.app.backend.get_task_meta(task_id, cache=False)["status"]
+               == "FAILURE", TIMEOUT_S, what="FAILURE stored")
+    assert _list(server, f"runs:{name}") == [task_id]
+    assert _list(server, f"rollbacks:{name}") == [task_id]
+
+
+def test_finished_key_replays_result_and_failure_without_running(stack) -> None:
+    server, _ = stack
+    name = _name()
+    first = tasksapp.keyed.delay(name).get(timeout=TIMEOUT_S)
+    second = tasksapp.keyed.delay(name).get(timeout=TIMEOUT_S)
+    assert first == second
+    assert _list(server, f"runs:{name}") == [first["by"]]
+
+    bad = _name()
+    one = tasksapp.keyed.delay(bad, True)
+    with pytest.raises(KeyError, match="is broken"):
+        one.get(timeout=TIMEOUT_S)
+    two = tasksapp.keyed.delay(bad, True)
+    with pytest.raises(KeyError, match="is broken"):
+        two.get(timeout=TIMEOUT_S)
+    assert _list(server, f"runs:{bad}") == [one.id]
+    assert _list(server, f"rollbacks:{bad}") == [one.id]
+    assert tasksapp.app.backend.get_task_meta(two.id, cache=False)["crawl_rollback"] == ROLLED_BACK
+
+
+def test_deadline_propagates_through_a_chain(stack) -> None:
+    deadline = datetime.now(UTC) + timedelta(seconds=120)
+    flow = chain(tasksapp.probe.s(), tasksapp.stock_probe.s(), tasksapp.probe.s())
+    seen = flow.apply_async(headers=deadline_headers(deadline)).get(timeout=TIMEOUT_S)
+    assert len(seen) == 3
+    for link in seen:
+        assert datetime.fromisoformat(link["deadline"]) == deadline
+        assert datetime.fromisoformat(link["expires"]) <= deadline
+        assert 0 < link["remaining"] <= 120
+        hard, soft = link["timelimit"]
+        assert hard is not None and soft is not None
+        assert soft <= hard <= 120
+
+
+def test_groups_and_chords_on_the_audited_backend(stack) -> None:
+    assert group(tasksapp.add.s(i, i) for i in range(5))().get(timeout=TIMEOUT_S) == [
+        0, 2, 4, 6, 8]
+    assert chord(tasksapp.add.s(i, 1) for i in range(4))(tasksapp.total.s()).get(
+        timeout=TIMEOUT_S) == 10
+    names = [_name() for _ in range(3)]
+    keyed = group(tasksapp.keyed.s(n) for n in names)().get(timeout=TIMEOUT_S)
+    assert [k["name"] for k in keyed] == names
+
+
+def test_late_started_after_success_from_a_real_worker_is_refused(stack) -> None:
+    backend = tasksapp.app.backend
+    result = tasksapp.add.delay(20, 22)
+    assert result.get(timeout=TIMEOUT_S) == 42
+    late = Context(id=result.id, hostname="paused@host")
+    backend.store_result(result.id, {"pid": 1}, "STARTED", request=late)
+    assert backend.get_task_meta(result.id, cache=False)["status"] == "SUCCESS"
+    assert history(backend, result.id)[-1].outcome == "refused-regression"
+    assert verify(backend).clean
