@@ -1,0 +1,143 @@
+"""The crawler on two real workers against a local site: politeness, Retry-After, proxies.
+
+One module-scoped fleet (a private redis-server, the demo site and proxy in this process, two
+prefork workers) serves every test here, to keep the start-up cost paid once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import RedisServer, wait_until
+from workers.demo_site import DemoProxy, DemoSite
+
+from .crawler_support import client_app, crawler_env, rows, start_worker, wait_ready
+
+pytestmark = pytest.mark.system
+
+RATE = 4.0
+BURST = 1
+
+
+class Fleet:
+    def __init__(self, tmp: Path, redis: RedisServer, site: DemoSite, proxy: DemoProxy,
+                 env: dict[str, str]) -> None:
+        self.tmp, self.redis, self.site, self.proxy, self.env = tmp, redis, site, proxy, env
+        self.sink = tmp / "sink.sqlite3"
+        self.app = client_app(env)
+        self.workers = [start_worker(f"w{i}", env, tmp) for i in (1, 2)]
+
+    def send(self, task: str, url: str) -> None:
+        self.app.send_task(f"workers.crawler.{task}", args=[url])
+
+    def wait_rows(self, urls: list[str], timeout_s: float = 60) -> dict[str, dict]:
+        return wait_until(lambda: (r := rows(self.sink)) and all(u in r for u in urls) and r,
+                          timeout_s, what=f"{len(urls)} rows in the sink")
+
+    def logs(self) -> str:
+        return "\n".join(w.log() for w in self.workers)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("crawler-fleet")
+    redis = RedisServer().start()
+    site = DemoSite().start()
+    proxy = DemoProxy().start()
+    env = crawler_env(redis, tmp, CRAWL_RATE=str(RATE), CRAWL_BURST=str(BURST),
+                      CRAWL_DOMAIN_CONCURRENCY="2", CRAWL_PROXIES=f"direct,{proxy.url}",
+                      CRAWL_MAX_RETRIES="2", CRAWL_READ_TIMEOUT="1", CRAWL_FETCH_TIMEOUT="3")
+    f = Fleet(tmp, redis, site, proxy, env)
+    try:
+        wait_ready(*f.workers)
+        yield f
+    finally:
+        for w in f.workers:
+            w.stop()
+        site.stop()
+        proxy.stop()
+        redis.cleanup()
+
+
+def test_politeness_rate_and_concurrency_hold_across_two_workers(fleet: Fleet) -> None:
+    # Two domains on one server: 127.0.0.1:<port> for the rate, localhost:<port> (slow pages)
+    # for the in-flight cap. Four pool processes in two workers could do far more of both.
+    rate_listing = f"{fleet.site.url}/listing/rate?n=10"
+    slow_site = fleet.site.url.replace("127.0.0.1", "localhost")
+    slow_urls = [f"{slow_site}/item/cap/{i}?delay=0.8" for i in range(1, 7)]
+    fleet.send("crawl_listing", rate_listing)
+    for url in slow_urls:
+        fleet.send("crawl_item", url)
+    items = [f"{fleet.site.url}/item/rate/{i}" for i in range(1, 11)]
+    got = fleet.wait_rows([rate_listing, *items, *slow_urls], timeout_s=60)
+    assert all(got[u]["outcome"] == "ok" for u in [rate_listing, *items, *slow_urls])
+
+    # Rate: 11 fetches of one domain; bucket of 1 at 4/s => k+1 consecutive fetches span at
+    # least k/4 s (a little slack for the server's timestamping).
+    rate_hits = sorted(h["at"] for h in fleet.site.hits("/listing/rate") + fleet.site.hits(
+        "/item/rate/"))
+    assert len(rate_hits) == 11
+    for i in range(len(rate_hits)):
+        for j in range(i + 1, len(rate_hits)):
+            assert rate_hits[j] - rate_hits[i] >= (j - i - BURST + 1) / RATE - 0.05, (i, j)
+    # Concurrency: never more than 2 slow pages in flight at once.
+    slow = fleet.site.hits("/item/cap/")
+    assert len(slow) == 6
+    peak = max(sum(1 for o in slow if o["at"] <= h["at"] < o["end"]) for h in slow)
+    assert peak <= 2
+    # Both workers took part.
+    log = fleet.logs()
+    assert all(f"w{i}@" in log and "item/rate/" in w.log() for i, w in
+               enumerate(fleet.workers, 1))
+
+
+def test_retry_after_is_honoured_and_logged(fleet: Fleet) -> None:
+    url = f"{fleet.site.url}/limited/ra?after=1&retry_after=2"
+    fleet.send("crawl_item", url)
+    got = fleet.wait_rows([url], timeout_s=30)
+    assert got[url]["outcome"] == "ok"
+    first, second = (h["at"] for h in fleet.site.hits("/limited/ra"))
+    assert second - first >= 2.0
+    assert second - first < 2.0 * 3 + 2
+    assert "status-429, honouring Retry-After 2s" in fleet.logs()
+
+
+def test_503_without_retry_after_backs_off_exponentially(fleet: Fleet) -> None:
+    url = f"{fleet.site.url}/unavailable/bo?after=2"
+    fleet.send("crawl_item", url)
+    got = fleet.wait_rows([url], timeout_s=30)
+    assert got[url]["outcome"] == "ok"
+    t = [h["at"] for h in fleet.site.hits("/unavailable/bo")]
+    assert len(t) == 3
+    # base 0.2 s, equal jitter: the n-th wait is at least 0.2 * 2**n / 2.
+    assert t[1] - t[0] >= 0.1 and t[2] - t[1] >= 0.2
+    assert "status-503, exponential backoff (attempt 1)" in fleet.logs()
+
+
+def test_403_rotates_to_the_next_proxy(fleet: Fleet) -> None:
+    url = f"{fleet.site.url}/forbidden/rot"
+    fleet.send("crawl_item", url)
+    got = fleet.wait_rows([url], timeout_s=30)
+    assert got[url]["outcome"] == "ok"
+    assert [h["via"] for h in fleet.site.hits("/forbidden/rot")] == [False, True]
+    assert fleet.proxy.forwarded >= 1
+    assert f"403 via direct, rotating to proxy 2/2 {fleet.proxy.url}" in fleet.logs()
+
+
+def test_slow_reset_oversize_and_binary_pages_fail_cleanly(fleet: Fleet) -> None:
+    base = fleet.site.url
+    cases = {f"{base}/stall?s=30": "failed:timeout", f"{base}/reset": "failed:network",
+             f"{base}/huge?mb=4": "failed:too-large", f"{base}/binary": "failed:content-type",
+             f"{base}/loop/0": "failed:redirects"}
+    for url in cases:
+        fleet.send("crawl_item", url)
+    got = fleet.wait_rows(list(cases), timeout_s=60)
+    assert {u: got[u]["outcome"] for u in cases} == cases
+    # Retryable ones were retried exactly CRAWL_MAX_RETRIES=2 times, then given up.
+    assert len(fleet.site.hits("/reset")) == 3
+    assert "give up " + f"{base}/reset: network after 2 retries" in fleet.logs()
+    # The oversize body stopped being read near the 2 MiB cap: not a 4 MiB download.
+    assert len(fleet.site.hits("/huge")) == 1
