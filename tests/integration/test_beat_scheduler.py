@@ -1,0 +1,270 @@
+"""LeasedScheduler in-process against a real Redis (store and broker): leadership, publishing,
+durable state, fencing, catch-up, overlap and operator commands.
+
+The schedulers are driven by calling ``tick()`` like ``celery beat`` does; what they publish is
+read back from the broker's queue list, so every assertion is about real messages.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_crawl import keys
+from celery_crawl.beat import LeasedScheduler
+from celery_crawl.beat.commands import make_command
+from celery_crawl.beat.state import EntryState, SkipLog
+from celery_crawl.leases import make_holder, open_store
+from celery_crawl.schedules import TzCron, task_id_for
+from tests.servers import RedisServer, wait_until
+
+EVERY_SECOND = TzCron("* * * * * *", "UTC")
+
+
+def make_app(server: RedisServer, ns: str, schedule: dict[str, Any], **conf: Any) -> Celery:
+    app = Celery(ns, set_as_current=False)
+    app.conf.update(
+        broker_url=server.url_db(1),
+        crawl_lease_url=server.url_db(0),
+        crawl_namespace=ns,
+        crawl_beat_lease_ttl=1.5,
+        crawl_schedule_paths=[],
+        beat_schedule=schedule,
+        task_default_queue=f"q-{ns}",
+        broker_connection_timeout=5,
+        **conf,
+    )
+    return app
+
+
+def drain(server: RedisServer, ns: str) -> list[dict[str, Any]]:
+    """Every message published to the test queue so far (removed from the queue)."""
+    client = server.client(1)
+    out = []
+    while True:
+        raw = client.rpop(f"q-{ns}")
+        if raw is None:
+            break
+        msg = json.loads(raw)
+        body = json.loads(base64.b64decode(msg["body"])) if msg.get("body") else None
+        out.append({**msg["headers"], "body": body})
+    return out
+
+
+def run_for(schedulers: list[LeasedScheduler], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sleep = min(s.tick() for s in schedulers)
+        time.sleep(min(max(sleep, 0.0), 0.05))
+
+
+@pytest.fixture
+def ns() -> str:
+    return f"beat-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def opened() -> Iterator[list[LeasedScheduler]]:
+    made: list[LeasedScheduler] = []
+    yield made
+    for s in made:
+        s.close()
+
+
+def start(app: Celery, opened: list[LeasedScheduler]) -> LeasedScheduler:
+    s = LeasedScheduler(app)
+    opened.append(s)
+    return s
+
+
+def test_one_leader_publishes_each_slot_once_with_headers(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    sched = {"tick": {"task": "t.record", "schedule": EVERY_SECOND, "args": [1]}}
+    a = start(make_app(redis_server, ns, sched), opened)
+    b = start(make_app(redis_server, ns, sched), opened)
+    run_for([a, b], 3.2)
+    assert [a.election.is_leader, b.election.is_leader].count(True) == 1
+    leader = a if a.election.is_leader else b
+    msgs = drain(redis_server, ns)
+    slots = [m["crawl_slot"] for m in msgs]
+    assert len(slots) >= 2 and len(slots) == len(set(slots))
+    for m in msgs:
+        slot = datetime.fromisoformat(m["crawl_slot"].replace("Z", "+00:00"))
+        assert m["id"] == task_id_for(ns, "tick", slot)
+        assert m["crawl_entry"] == "tick"
+        assert m["crawl_leader_token"] == leader.election.lease.token
+        assert m["body"][0] == [1]
+    store = open_store(redis_server.url_db(0), namespace=ns)
+    st = EntryState.from_record(store.get(keys.beat_entry("tick")))
+    assert st.run_count == len(msgs) and st.last_task_id == msgs[-1]["id"]
+    presence = store.scan(keys.beat_presence(""))
+    assert {r["role"] for r in presence.values()} == {"leader", "standby"}
+    store.close()
+
+
+def test_handoff_continues_without_repeating_a_slot(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    sched = {"tick": {"task": "t.record", "schedule": EVERY_SECOND}}
+    a = start(make_app(redis_server, ns, sched), opened)
+    run_for([a], 2.2)
+    assert a.election.is_leader
+    b = start(make_app(redis_server, ns, sched), opened)
+    run_for([a, b], 0.5)
+    assert not b.election.is_leader
+    a.close()
+    t0 = time.monotonic()
+    wait_until(lambda: (b.tick(), b.election.is_leader)[1], 3, what="standby takes over")
+    assert time.monotonic() - t0 < 1.0
+    run_for([b], 2.2)
+    slots = [m["crawl_slot"] for m in drain(redis_server, ns)]
+    assert len(slots) == len(set(slots)), slots
+    stamps = sorted(datetime.fromisoformat(s.replace("Z", "+00:00")) for s in slots)
+    gaps = [(y - x).total_seconds() for x, y in zip(stamps, stamps[1:], strict=False)]
+    store = open_store(redis_server.url_db(0), namespace=ns)
+    skips = SkipLog.from_record(store.get(keys.beat_skips("tick")))
+    store.close()
+    # every slot between the first and the last is either published or recorded as skipped
+    assert sum(int(g) - 1 for g in gaps) == sum(skips.totals.values())
+
+
+def test_frozen_leader_is_fenced_and_demotes_without_publishing(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    sched = {"tick": {"task": "t.record", "schedule": EVERY_SECOND}}
+    a = start(make_app(redis_server, ns, sched), opened)
+    b = start(make_app(redis_server, ns, sched), opened)
+    run_for([a], 1.2)
+    assert a.election.is_leader
+    # a "freezes" (no ticks) past its TTL; b takes over
+    wait_until(lambda: (b.tick(), b.election.is_leader)[1], 6, what="b takes over")
+    drain(redis_server, ns)
+    old_token = a.election.lease.token
+    a.tick()  # resumes: must notice, demote, and not publish
+    assert not a.election.is_leader
+    run_for([a, b], 1.5)
+    assert not a.election.is_leader
+    msgs = drain(redis_server, ns)
+    assert msgs and all(m["crawl_leader_token"] > old_token for m in msgs)
+
+
+def test_catchup_latest_records_superseded_slots(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    sched = {"tick": {"task": "t.record", "schedule": EVERY_SECOND}}
+    app = make_app(redis_server, ns, sched)
+    a = start(app, opened)
+    run_for([a], 1.5)
+    fp = a.states["tick"].fingerprint
+    a.close()
+    store = open_store(redis_server.url_db(0), namespace=ns)
+    past = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=20)
+    rec = EntryState(fp, last_slot=past, run_count=5).to_record()
+    store.put(keys.beat_entry("tick"), rec)  # as if the last leader stopped 20 s ago
+    store.delete(keys.beat_skips("tick"))
+    drain(redis_server, ns)
+    b = start(app, opened)
+    run_for([b], 0.6)
+    msgs = drain(redis_server, ns)
+    assert msgs, "the latest missed slot runs at once"
+    skips = SkipLog.from_record(store.get(keys.beat_skips("tick")))
+    assert skips.ranges[0].reason == "superseded"
+    assert skips.ranges[0].first == past + timedelta(seconds=1)
+    assert skips.ranges[0].count >= 18
+    store.close()
+
+
+def test_changed_definition_starts_afresh_and_removed_entries_are_collected(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    a = start(make_app(redis_server, ns, {
+        "keep": {"task": "t.a", "schedule": EVERY_SECOND},
+        "gone": {"task": "t.b", "schedule": EVERY_SECOND},
+    }), opened)
+    run_for([a], 1.3)
+    a.close()
+    b = start(make_app(redis_server, ns, {
+        "keep": {"task": "t.a", "schedule": EVERY_SECOND, "args": ["changed"]},
+    }), opened)
+    run_for([b], 0.3)
+    store = open_store(redis_server.url_db(0), namespace=ns)
+    assert store.get(keys.beat_entry("gone")) is None
+    st = EntryState.from_record(store.get(keys.beat_entry("keep")))
+    assert st.fingerprint == b.entries["keep"].fingerprint and st.run_count <= 1
+    store.close()
+
+
+def test_overlap_skip_uses_the_previous_runs_claim(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    sched = {"slow": {"task": "t.slow", "schedule": EVERY_SECOND}}
+    a = start(make_app(redis_server, ns, sched), opened)
+    wait_until(lambda: (a.tick(), a.states.get("slow") and a.states["slow"].last_task_id)[1],
+               5, what="first run")
+    first = a.states["slow"].last_task_id
+    store = open_store(redis_server.url_db(0), namespace=ns)
+    worker = store.acquire(keys.worker_lease("w1"), 30, make_holder())
+    assert worker is not None
+    assert store.claim(worker, keys.task_claim(first), {"queue": "q"}) is not None
+    run_for([a], 2.2)
+    assert a.states["slow"].last_task_id == first  # nothing new while the claim lives
+    skips = SkipLog.from_record(store.get(keys.beat_skips("slow")))
+    assert skips.totals.get("overlap", 0) >= 1
+    store.unclaim(worker, keys.task_claim(first))
+    store.put(keys.done(first), {"state": "SUCCESS"})
+    run_for([a], 1.3)
+    assert a.states["slow"].last_task_id != first
+    store.close()
+
+
+def test_operator_commands(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    hourly = TzCron("0 * * * *", "UTC")
+    sched = {
+        "tick": {"task": "t.record", "schedule": EVERY_SECOND},
+        "hourly": {"task": "t.hourly", "schedule": hourly},
+    }
+    a = start(make_app(redis_server, ns, sched), opened)
+    run_for([a], 0.5)
+    store = open_store(redis_server.url_db(0), namespace=ns)
+    store.push(keys.BEAT_COMMANDS, make_command("pause", "tick"))
+    wait_until(lambda: (a.tick(), a.states["tick"].paused)[1], 3, what="pause applied")
+    drain(redis_server, ns)
+    run_for([a], 1.5)
+    assert [m for m in drain(redis_server, ns) if m["crawl_entry"] == "tick"] == []
+    assert SkipLog.from_record(store.get(keys.beat_skips("tick"))).totals["paused"] >= 1
+    store.push(keys.BEAT_COMMANDS, make_command("resume", "tick"))
+    store.push(keys.BEAT_COMMANDS, make_command("trigger", "hourly"))
+    end = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    store.push(keys.BEAT_COMMANDS, make_command(
+        "backfill", "hourly", start=end - timedelta(hours=2), end=end))
+    run_for([a], 1.5)
+    msgs = drain(redis_server, ns)
+    hourly_msgs = [m for m in msgs if m["crawl_entry"] == "hourly"]
+    assert len(hourly_msgs) == 1 + 3 and all(m["crawl_manual"] for m in hourly_msgs)
+    assert any(m["crawl_entry"] == "tick" for m in msgs)
+    store.close()
+
+
+def test_evicting_redis_is_refused_for_leadership(
+    fresh_redis: RedisServer, ns: str, opened: list[LeasedScheduler],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fresh_redis.client().config_set("maxmemory", "100mb")
+    fresh_redis.client().config_set("maxmemory-policy", "allkeys-lru")
+    a = start(make_app(fresh_redis, ns, {"tick": {"task": "t", "schedule": EVERY_SECOND}}),
+              opened)
+    run_for([a], 0.6)
+    assert not a.election.is_leader
+    assert "maxmemory-policy" in (a.election.blocked_reason or "")
+    assert any("refusing to lead" in r.getMessage() for r in caplog.records)
