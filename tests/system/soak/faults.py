@@ -252,21 +252,9 @@ class FaultInjector:
     def _etcd_member_kill(self, kind: str, leader_side: bool) -> Fault:
         cluster = self.stack.etcd
         assert cluster is not None
-        endpoint = self.stack.etcd_endpoint
-        leader = cluster.leader()
-        if leader_side:
-            target = leader
-            if target is None or target is endpoint:
-                # The processes talk to one member; killing it is "store unreachable".
-                # Hand leadership to another member first, then kill that leader.
-                others = [m for m in cluster.members if m is not endpoint and m.alive()]
-                target = self.rng.choice(others)
-                cluster.move_leader(target)
-        else:
-            choices = [m for m in cluster.members if m is not leader and m is not endpoint]
-            target = self.rng.choice(choices) if choices else None
-        if target is None:
-            return Fault(kind, "none", now(), note="no eligible member")
+        leader = cluster.wait_leader()
+        followers = [m for m in cluster.members if m is not leader and m.alive()]
+        target = leader if leader_side else self.rng.choice(followers)
         f = Fault(kind, target.name, now())
         target.kill()
         self._sleep(self.rng.uniform(1.0, 3.0))

@@ -159,14 +159,9 @@ class Stack:
     @property
     def lease_url(self) -> str:
         if self.etcd is not None:
-            return self.etcd_endpoint.url
+            # Every member: the store's gRPC channel fails over between them.
+            return f"etcd://{self.etcd.endpoints}"
         return self.redis.url
-
-    @property
-    def etcd_endpoint(self) -> Any:
-        """The etcd member the processes talk to (python-etcd3 uses a single endpoint)."""
-        assert self.etcd is not None
-        return self.etcd.members[0]
 
     def env(self) -> dict[str, str]:
         return {
