@@ -24,8 +24,10 @@ APP = "tests.system.tasksapp"
 TIMEOUT_S = 30  # generous: the machine is small and shared
 
 
-def _start_worker(port: int, log_dir: Path, name: str, concurrency: int = 2) -> Proc:
-    return Proc(worker_args(APP, concurrency=concurrency, hostname=f"{name}-{uuid.uuid4().hex[:6]}@%h"),
+def _start_worker(port: int, log_dir: Path, name: str, concurrency: int = 2,
+                  queues: str | None = None) -> Proc:
+    hostname = f"{name}-{uuid.uuid4().hex[:6]}@%h"
+    return Proc(worker_args(APP, concurrency=concurrency, hostname=hostname, queues=queues),
                 env={"TASKSAPP_REDIS_PORT": str(port)}, log_path=log_dir / f"{name}.log")
 
 
@@ -141,3 +143,33 @@ def test_late_started_after_success_from_a_real_worker_is_refused(stack) -> None
     assert backend.get_task_meta(result.id, cache=False)["status"] == "SUCCESS"
     assert history(backend, result.id)[-1].outcome == "refused-regression"
     assert verify(backend).clean
+
+
+def test_worker_killed_during_rollback_rollback_completes_once_after_recovery(
+        stack, tmp_path: Path) -> None:
+    server, _ = stack
+    name = _name()
+    task_id = str(uuid.uuid4())
+    _side(server).set(f"rollback-hang:{name}", 1)  # the first rollback attempt hangs
+    victim = _start_worker(server.port, tmp_path, "victim", concurrency=1, queues="kill")
+    rescuer: Proc | None = None
+    try:
+        result = tasksapp.slow.apply_async((name, 0.0, True), task_id=task_id, queue="kill")
+        wait_until(lambda: _list(server, f"rollback-start:{name}"), TIMEOUT_S,
+                   what=f"rollback started\n{victim.log()}")
+        victim.kill9()
+        assert _list(server, f"rollbacks:{name}") == []
+        # The message was not acked (acks_late): the broker's visibility timeout redelivers it
+        # to the next worker, which finds the dead run's rollback pending and finishes it.
+        rescuer = _start_worker(server.port, tmp_path, "rescuer", concurrency=1, queues="kill")
+        with pytest.raises(ValueError, match="failed"):
+            result.get(timeout=TIMEOUT_S)
+        assert _list(server, f"rollbacks:{name}") == [task_id]
+        assert _list(server, f"runs:{name}") == [task_id]  # the body never ran again
+        meta = tasksapp.app.backend.get_task_meta(task_id, cache=False)
+        assert meta["crawl_rollback"] == ROLLED_BACK
+        assert len(_list(server, f"rollback-start:{name}")) == 2
+    finally:
+        victim.stop()
+        if rescuer is not None:
+            rescuer.stop()

@@ -1,0 +1,274 @@
+"""AuditedRedisBackend against a real redis-server: precedence, fencing, audit, Celery features."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery, states
+from celery.app.task import Context
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from celery_crawl.backends import AuditedRedisBackend
+from celery_crawl.backends.audit import history, iter_records, verify
+from celery_crawl.errors import ConfigError, SerializationRefused
+from tests.servers import RedisServer, free_port, wait_until
+
+
+def make_app(url: str, **conf: Any) -> Celery:
+    app = Celery(f"t{uuid.uuid4().hex[:6]}", broker="memory://", backend=url, set_as_current=False)
+    app.conf.update(crawl_namespace=f"ns{uuid.uuid4().hex[:8]}", redis_socket_timeout=5,
+                    redis_socket_connect_timeout=5, **conf)
+    return app
+
+
+def req(token: int | None = None, worker: str = "w1", **extra: Any) -> Context:
+    return Context(crawl_claim_token=token, hostname=worker, **extra)
+
+
+@pytest.fixture
+def backend(redis_server: RedisServer) -> AuditedRedisBackend:
+    app = make_app(f"crawlredis://127.0.0.1:{redis_server.port}/0")
+    b = app.backend
+    assert isinstance(b, AuditedRedisBackend)
+    # The lease store defaults to the backend's server: tokens up to 10**6 count as issued.
+    b.client.set(b.token_counter_key, 10**6)
+    return b
+
+
+def outcomes(b: AuditedRedisBackend, task_id: str) -> list[tuple[str, str]]:
+    return [(r.state, r.outcome) for r in history(b, task_id)]
+
+
+def status(b: AuditedRedisBackend, task_id: str) -> str:
+    return str(b.get_task_meta(task_id, cache=False)["status"])
+
+
+def test_late_started_or_retry_after_a_ready_state_is_refused(backend) -> None:
+    tid = str(uuid.uuid4())
+    backend.store_result(tid, {"pid": 1}, states.STARTED, request=req(5))
+    backend.store_result(tid, 42, states.SUCCESS, request=req(5))
+    backend.store_result(tid, {"pid": 1}, states.STARTED, request=req(5))
+    backend.store_result(tid, ValueError("x"), states.RETRY, request=req(6))
+    assert backend.get_task_meta(tid, cache=False)["result"] == 42
+    assert outcomes(backend, tid) == [
+        ("STARTED", "written"), ("SUCCESS", "written"), ("STARTED", "refused-regression"),
+        ("RETRY", "refused-regression")]
+    tid2 = str(uuid.uuid4())
+    backend.store_result(tid2, ValueError("boom"), states.FAILURE, request=req(None))
+    backend.store_result(tid2, {"pid": 1}, states.STARTED, request=req(None))
+    assert status(backend, tid2) == "FAILURE"  # stock Celery would have let STARTED through
+
+
+def test_stale_token_after_a_newer_write_is_refused(backend) -> None:
+    tid = str(uuid.uuid4())
+    backend.store_result(tid, {"pid": 2}, states.STARTED, request=req(8, "new"))
+    backend.store_result(tid, "stale", states.SUCCESS, request=req(7, "paused"))
+    backend.store_result(tid, "untokened", states.SUCCESS, request=req(None, "legacy"))
+    assert status(backend, tid) == "STARTED"
+    backend.store_result(tid, "fresh", states.SUCCESS, request=req(8, "new"))
+    backend.store_result(tid, "same-token-again", states.FAILURE, request=req(8, "new"))
+    backend.store_result(tid, "newer", states.SUCCESS, request=req(9, "newer"))
+    assert backend.get_task_meta(tid, cache=False)["result"] == "newer"
+    assert [(r.token, r.worker, r.outcome) for r in history(backend, tid)] == [
+        (8, "new", "written"), (7, "paused", "refused-stale"), (None, "legacy", "refused-stale"),
+        (8, "new", "written"), (8, "new", "refused-stale"), (9, "newer", "written")]
+
+
+def test_a_retried_write_is_audited_once(backend) -> None:
+    tid = str(uuid.uuid4())
+    backend.store_result(tid, {"n": 1}, states.SUCCESS, request=req(3))
+    # What celery's retry loop does after a lost reply: the same write again (date_done differs).
+    backend.store_result(tid, {"n": 1}, states.SUCCESS, request=req(3))
+    backend.store_result(tid, "late", states.STARTED, request=req(3))
+    backend.store_result(tid, "late", states.STARTED, request=req(3))
+    assert outcomes(backend, tid) == [("SUCCESS", "written"), ("STARTED", "refused-regression")]
+
+
+def test_token_must_have_been_issued_when_the_lease_store_shares_the_server(backend) -> None:
+    assert backend.checks_token_issuance
+    tid = str(uuid.uuid4())
+    backend.store_result(tid, "forged", states.SUCCESS, request=req(10**6 + 1))
+    assert status(backend, tid) == "PENDING"
+    assert outcomes(backend, tid) == [("SUCCESS", "refused-unissued")]
+
+
+def test_without_the_lease_store_only_token_order_is_enforced(redis_server) -> None:
+    app = make_app(f"crawlredis://127.0.0.1:{redis_server.port}/0",
+                   crawl_lease_url=f"redis://127.0.0.1:{redis_server.port}/5")
+    b = app.backend
+    assert not b.checks_token_issuance
+    tid = str(uuid.uuid4())
+    b.store_result(tid, "ok", states.SUCCESS, request=req(10**15))
+    assert status(b, tid) == "SUCCESS"
+
+
+def test_get_waits_on_publish_and_global_keyprefix_is_honoured(redis_server) -> None:
+    app = make_app(f"crawlredis://127.0.0.1:{redis_server.port}/0",
+                   result_backend_transport_options={"global_keyprefix": "pfx"})
+    b = app.backend
+    tid = str(uuid.uuid4())
+    result = app.AsyncResult(tid)
+    b.on_task_call(None, tid)  # subscribe, as apply_async does
+    timer = threading.Timer(0.3, lambda: b.store_result(tid, [1, 2], states.SUCCESS,
+                                                        request=req(None)))
+    timer.start()
+    try:
+        assert result.get(timeout=10) == [1, 2]
+    finally:
+        timer.join()
+    client = redis_server.client()
+    assert client.exists(f"pfx_celery-task-meta-{tid}")
+    assert client.exists(f"pfx_crawl-fence-{tid}")
+    assert b.audit_key.startswith("pfx_")
+    assert verify(b).clean
+
+
+def test_result_extended_and_revoke(redis_server) -> None:
+    app = make_app(f"crawlredis://127.0.0.1:{redis_server.port}/0", result_extended=True)
+    b = app.backend
+    tid = str(uuid.uuid4())
+    b.store_result(tid, None, states.STARTED,
+                   request=req(None, task="proj.crawl", args=["u"], kwargs={}, retries=0))
+    meta = b.get_task_meta(tid, cache=False)
+    assert meta["name"] == "proj.crawl" and meta["args"] == ["u"] and meta["worker"] == "w1"
+    b.mark_as_revoked(tid, "terminated", request=req(None))
+    b.store_result(tid, "late", states.SUCCESS, request=req(None))
+    assert status(b, tid) == "REVOKED"
+    assert [o for _, o in outcomes(b, tid)] == ["written", "written", "refused-stale"]
+
+
+def test_forget_is_audited(backend) -> None:
+    tid = str(uuid.uuid4())
+    backend.store_result(tid, 1, states.SUCCESS, request=req(None))
+    backend.forget(tid)
+    assert outcomes(backend, tid)[-1] == ("FORGOTTEN", "forgotten")
+    report = verify(backend)
+    assert report.clean and report.forgotten >= 1
+
+
+def test_verify_detects_an_altered_and_a_deleted_result(redis_server) -> None:
+    app = make_app(f"crawlredis://127.0.0.1:{redis_server.port}/0")
+    b = app.backend
+    ids = [str(uuid.uuid4()) for _ in range(3)]
+    for i, tid in enumerate(ids):
+        b.store_result(tid, {"i": i, "text": "naïve ü", "f": 0.1}, states.SUCCESS,
+                       request=req(None))
+    assert verify(b).ok == 3
+    client = redis_server.client()
+    key = b.get_key_for_task(ids[0])
+    client.set(key, client.get(key).replace(b'"i": 0', b'"i": 7'))
+    client.delete(b.get_key_for_task(ids[1]))
+    report = verify(b)
+    assert [t for t, _ in report.diverging] == [ids[0]]
+    assert [t for t, _ in report.missing] == [ids[1]]
+    assert report.ok == 1 and not report.clean
+
+
+def test_an_expired_result_is_normal(fresh_redis) -> None:
+    app = make_app(f"crawlredis://127.0.0.1:{fresh_redis.port}/0", result_expires=1)
+    b = app.backend
+    tid = str(uuid.uuid4())
+    b.store_result(tid, 1, states.SUCCESS, request=req(None))
+    wait_until(lambda: not fresh_redis.client().exists(b.get_key_for_task(tid)), 10,
+               what="result expiry")
+    report = verify(b)
+    assert report.clean and report.expired == 1
+
+
+def test_json_only(redis_server) -> None:
+    url = f"crawlredis://127.0.0.1:{redis_server.port}/0"
+    with pytest.raises(ConfigError, match="result_serializer"):
+        _ = make_app(url, result_serializer="pickle", result_accept_content=["pickle"]).backend
+    with pytest.raises(ConfigError, match="result_compression"):
+        _ = make_app(url, result_compression="zlib").backend
+    app = make_app(url)
+    tid = str(uuid.uuid4())
+    payload = pickle.dumps({"status": "SUCCESS", "result": 1, "task_id": tid})
+    redis_server.client().set(app.backend.get_key_for_task(tid), payload)
+    with pytest.raises(SerializationRefused):
+        app.backend.get_task_meta(tid, cache=False)
+
+
+def test_class_plus_url_form(redis_server) -> None:
+    app = make_app(f"celery_crawl.backends:AuditedRedisBackend+redis://127.0.0.1:"
+                   f"{redis_server.port}/0")
+    assert isinstance(app.backend, AuditedRedisBackend)
+    tid = str(uuid.uuid4())
+    app.backend.store_result(tid, "x", states.SUCCESS, request=req(None))
+    assert app.AsyncResult(tid).get(timeout=5) == "x"
+
+
+def test_crawlrediss_speaks_tls(tmp_path: Path) -> None:
+    from tests.security.tlsservers import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    server = RedisServer(extra=[
+        "--tls-port", str(tls_port := free_port()), "--tls-cert-file", str(pki.server_cert),
+        "--tls-key-file", str(pki.server_key), "--tls-ca-cert-file", str(pki.ca),
+        "--tls-auth-clients", "no"]).start()
+    try:
+        app = make_app(f"crawlrediss://127.0.0.1:{tls_port}/0?ssl_cert_reqs=required"
+                       f"&ssl_ca_certs={pki.ca}")
+        b = app.backend
+        tid = str(uuid.uuid4())
+        b.store_result(tid, "secret", states.SUCCESS, request=req(None))
+        assert app.AsyncResult(tid).get(timeout=10) == "secret"
+        conn = b.client.connection_pool.get_connection()
+        try:
+            assert type(conn).__name__ == "SSLConnection"
+        finally:
+            b.client.connection_pool.release(conn)
+        assert server.client().exists(b.get_key_for_task(tid))  # the plain port sees the data
+        untrusted = make_app(f"crawlrediss://127.0.0.1:{tls_port}/0?ssl_cert_reqs=required"
+                             f"&ssl_ca_certs={pki.rogue_ca}",
+                             redis_backend_health_check_interval=0,
+                             result_backend_transport_options={"retry_policy": {
+                                 "max_retries": 0}})
+        with pytest.raises(Exception, match=r"(?i)certificate|ssl"):
+            untrusted.backend.client.ping()
+    finally:
+        server.cleanup()
+
+
+# -- precedence and fencing against a model ----------------------------------------------------
+READY = {states.SUCCESS, states.FAILURE, states.REVOKED}
+write_st = st.tuples(
+    st.sampled_from([states.STARTED, states.RETRY, states.SUCCESS, states.FAILURE]),
+    st.one_of(st.none(), st.integers(min_value=1, max_value=6)),
+)
+
+
+def _allowed(stored: tuple[str, int | None] | None, state: str, token: int | None) -> bool:
+    if stored is None:
+        return True
+    cur_state, cur_token = stored
+    if cur_token is not None and (token is None or token < cur_token):
+        return False  # fencing: older or missing token against a tokened result
+    if cur_state in READY:
+        # precedence: never back to non-ready; a second ready write needs a higher token
+        return state in READY and token is not None and (cur_token is None or token > cur_token)
+    return True
+
+
+@settings(max_examples=40)
+@given(writes=st.lists(write_st, min_size=1, max_size=8))
+def test_writes_follow_the_precedence_and_fencing_rules(redis_server, writes) -> None:
+    app = make_app(f"crawlredis://127.0.0.1:{redis_server.port}/0",
+                   crawl_lease_url=f"redis://127.0.0.1:{redis_server.port}/9")
+    b = app.backend
+    tid = str(uuid.uuid4())
+    stored: tuple[str, int | None] | None = None
+    for n, (state, token) in enumerate(writes):
+        value: Any = ValueError(str(n)) if state in (states.FAILURE, states.RETRY) else n
+        b.store_result(tid, value, state, request=req(token))
+        if _allowed(stored, state, token):
+            stored = (state, token)
+        assert status(b, tid) == (stored[0] if stored else "PENDING")
+    # Every attempt differs in value, so every one is audited, written or refused.
+    assert sum(1 for r in iter_records(b) if r.task == tid) == len(writes)
