@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING
 
 from ..config import LEASE_SCHEMES, mask_url
 from ..errors import ConfigError
-from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease, LeaseStore
+from .base import (
+    DRIFT,
+    MARGIN_S,
+    Characteristic,
+    Claim,
+    Lease,
+    LeaseStore,
+    StoreDiagnostics,
+    require,
+)
 
 if TYPE_CHECKING:
     from ..config import CrawlConfig
@@ -27,8 +36,10 @@ __all__ = [
     "Claim",
     "Lease",
     "LeaseStore",
+    "StoreDiagnostics",
     "make_holder",
     "open_store",
+    "require",
     "store_for",
 ]
 

@@ -30,6 +30,8 @@ __all__ = [
     "Claim",
     "Lease",
     "LeaseStore",
+    "StoreDiagnostics",
+    "require",
 ]
 
 #: Fraction of the TTL assumed lost to clock-rate differences between client and server.
@@ -237,3 +239,34 @@ class LeaseStore(Protocol):
     def close(self) -> None:
         """Close connections; the store is unusable afterwards."""
         ...
+
+
+@runtime_checkable
+class StoreDiagnostics(Protocol):
+    """Extras both drivers offer beside the contract: durability checks and call counting."""
+
+    #: network round trips made so far (benchmarks and tests assert one per renewal)
+    round_trips: int
+
+    def eviction_risk(self) -> str | None:
+        """Why lease or slot keys could be evicted by the server, or None (etcd: never)."""
+        ...
+
+    def persistence(self) -> dict[str, Any]:
+        """``{"aof_enabled", "rdb", "persistent"}``: whether tokens and state survive a restart."""
+        ...
+
+
+def require(store: LeaseStore, *wanted: Characteristic) -> None:
+    """Refuse a store that lacks a guarantee the caller depends on.
+
+    Raises:
+        UnsupportedSetup: naming the store (masked URL) and the missing characteristics.
+    """
+    from ..errors import UnsupportedSetup
+
+    missing = [c.value for c in wanted if c not in store.characteristics]
+    if missing:
+        raise UnsupportedSetup(
+            f"{store.url}: this lease store does not guarantee {', '.join(missing)}"
+        )

@@ -195,6 +195,9 @@ class RedisLeaseStore:
             retry_on_timeout=False,
             health_check_interval=0,
             decode_responses=True,
+            # Foreign bytes must reach _loads (StoreDataError naming the key), not blow up in
+            # the reply parser.
+            encoding_errors="surrogateescape",
             protocol=2,
         )
 
@@ -218,6 +221,8 @@ class RedisLeaseStore:
             raise StoreError(f"{self.url}: {what}: {exc}") from exc
         except redis_lib.exceptions.RedisError as exc:
             raise StoreError(f"{self.url}: {what}: {exc}") from exc
+        except UnicodeError as exc:
+            raise StoreDataError(f"{self.url}: {what}: a reply was not text: {exc}") from exc
         except OSError as exc:  # TLS files unreadable, socket errors outside redis-py's wrapping
             raise StoreUnavailable(f"{self.url}: {what}: {exc}") from exc
 
@@ -229,16 +234,15 @@ class RedisLeaseStore:
         """Run script ``name`` in one round trip (plus ``WAIT`` when asked and configured).
 
         Returns the script's reply and the number of replicas that acknowledged (None when no
-        ``WAIT`` was sent). A NOSCRIPT reply (a restarted or failed-over server) loads the
-        script and retries once.
+        ``WAIT`` was sent). Every script is loaded on first use, in one round trip; a NOSCRIPT
+        reply (a restarted or failed-over server) reloads them and retries once.
         """
         script = self._scripts[name]
         use_wait = wait and self.wait_replicas > 0
         with self._translate(name):
             for attempt in (0, 1):
                 if script.sha is None:
-                    self.round_trips += 1
-                    script.sha = self._redis.script_load(script.source)
+                    self._load_all()
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
                 if use_wait:
@@ -249,7 +253,8 @@ class RedisLeaseStore:
                 replies = pipe.execute(raise_on_error=False)
                 first = replies[0]
                 if isinstance(first, NoScriptError) and attempt == 0:
-                    script.sha = None
+                    for each in self._scripts.values():  # a restart or failover flushed all
+                        each.sha = None
                     continue
                 if isinstance(first, Exception):
                     raise first
@@ -260,6 +265,15 @@ class RedisLeaseStore:
                     acked = int(replies[1])
                 return first, acked
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _load_all(self) -> None:
+        """``SCRIPT LOAD`` every script in one round trip, so no later call pays for it."""
+        pipe = self._redis.pipeline(transaction=False)
+        for script in self._scripts.values():
+            pipe.script_load(script.source)
+        self.round_trips += 1
+        for script, sha in zip(self._scripts.values(), pipe.execute(), strict=True):
+            script.sha = str(sha)
 
     def _under_acked(self, acked: int | None) -> bool:
         return acked is not None and acked < self.wait_replicas
@@ -551,7 +565,7 @@ class RedisLeaseStore:
         return None
 
     def persistence(self) -> dict[str, Any]:
-        """``{"aof_enabled": bool, "rdb": bool | None}`` (``rdb`` None when ``CONFIG`` is
+        """``{"aof_enabled", "rdb", "persistent"}`` (``rdb`` None when ``CONFIG`` is
         disabled), for the beat's warning that tokens and slot state may not survive a restart."""
         info = self._call("INFO persistence", self._redis.info, "persistence")
         rdb: bool | None
@@ -560,7 +574,8 @@ class RedisLeaseStore:
             rdb = bool((config or {}).get("save"))
         except StoreError:  # CONFIG is often renamed away on managed Redis
             rdb = None
-        return {"aof_enabled": bool(int(info.get("aof_enabled", 0) or 0)), "rdb": rdb}
+        aof = bool(int(info.get("aof_enabled", 0) or 0))
+        return {"aof_enabled": aof, "rdb": rdb, "persistent": aof or bool(rdb)}
 
     def close(self) -> None:
         """Close the connection pool."""
