@@ -356,8 +356,9 @@ class SecureEtcd:
             "--auth-token", "simple", "--auth-token-ttl", str(self.auth_token_ttl_s),
             "--log-level", "error",
         ]
-        log = open(self.dir / "etcd.log", "ab")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(args, start_new_session=True, stdout=log, stderr=log)
+        self._log = open(self.dir / "etcd.log", "ab")  # noqa: SIM115 - closed in cleanup()
+        self.proc = subprocess.Popen(args, start_new_session=True, stdout=self._log,
+                                     stderr=self._log)
         wait_until(lambda: self.ctl("endpoint", "health", auth=False).returncode == 0, 30,
                    what=f"etcd on {self.https_port}")
         self.ctl_ok("user", "add", f"root:{self.root_password}", auth=False)
@@ -419,6 +420,8 @@ class SecureEtcd:
 
     def cleanup(self) -> None:
         self.stop()
+        with contextlib.suppress(AttributeError):
+            self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
