@@ -14,6 +14,7 @@ thread (Celery acks from there).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import signal as _signal
 import threading
@@ -322,21 +323,27 @@ class LeaseStep(bootsteps.StartStopStep):
             logger.debug("celery-crawl: cannot decode %s", held.task_id, exc_info=True)
         self.poisoned += 1
         logger.error("celery-crawl: %s[%s] is a poison message: %s", name, held.task_id, reason)
-        if task is not None:
+        hook = getattr(task, "crawl_on_poison", None) if task is not None else None
+        stored = False
+        if callable(hook):
+            # The task's own hook rolls back, audits and stores the FAILURE itself.
+            try:
+                params = inspect.signature(hook).parameters
+                extra = {k: v for k, v in (("token", held.token), ("hostname", self.hostname))
+                         if k in params}
+                hook(held.task_id, args, kwargs, reason, **extra)
+                stored = True
+            except Exception:
+                logger.exception("celery-crawl: crawl_on_poison of %s failed", held.task_id)
+        if task is not None and not stored:
             ctx = Context({**message.headers, **(embed or {}), "args": args, "kwargs": kwargs,
-                           CLAIM_HEADER: held.token,
+                           CLAIM_HEADER: held.token, "hostname": self.hostname,
                            "delivery_info": message.delivery_info})
             try:
                 task.backend.mark_as_failure(held.task_id, exc, request=ctx)
             except Exception:
                 logger.exception("celery-crawl: storing the poison FAILURE of %s failed",
                                  held.task_id)
-            hook = getattr(task, "crawl_on_poison", None)
-            if callable(hook):
-                try:
-                    hook(held.task_id, args, kwargs, reason)
-                except Exception:
-                    logger.exception("celery-crawl: crawl_on_poison of %s failed", held.task_id)
         self._complete(held, "FAILURE", requeue=False)
         self._call_ack(held)
 
