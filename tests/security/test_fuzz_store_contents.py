@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -310,3 +310,148 @@ def test_store_errors_are_only_crawl_errors(store: Any, raw: redis.Redis, ns: st
         with contextlib.suppress(StoreError):
             op()
     _still_serving(store)
+
+
+# == etcd =======================================================================================
+# Same hostile shapes against the etcd driver's physical layout (``{ns}:rec:<key>`` JSON,
+# ``{ns}:rtok:<key>`` writer token, ``{ns}:lease:<name>``, ``{ns}:claim:<key>``,
+# ``{ns}:claims-of:<lease>/<key>``, ``{ns}:claim-leases:<lease>``, ``{ns}:q:<queue>/<id>``).
+@pytest.fixture(scope="module")
+def etcd_raw(etcd_server: Any) -> Iterator[Any]:
+    from celery_crawl.leases.etcd import import_etcd3
+
+    import_etcd3()  # sets the protobuf implementation python-etcd3 needs
+    import etcd3
+
+    client = etcd3.client("127.0.0.1", etcd_server.client_port, timeout=5)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def etcd_ns() -> str:
+    return f"hostile{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def etcd_store(etcd_server: Any, etcd_ns: str) -> Iterator[Any]:
+    s = open_store(etcd_server.url, namespace=etcd_ns, timeout_s=3.0)
+    yield s
+    s.close()
+
+
+@settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                  HealthCheck.too_slow])
+@given(value=garbage)
+@example(value=HOSTILE_EXAMPLES[0])
+@example(value=HOSTILE_EXAMPLES[1])
+@example(value=HOSTILE_EXAMPLES[3])
+def test_etcd_garbage_record_value(etcd_store: Any, etcd_raw: Any, etcd_ns: str,
+                                   value: bytes | str) -> None:
+    if _is_json_object(value):
+        return
+    etcd_raw.put(f"{etcd_ns}:rec:victim", value)
+    with pytest.raises(StoreDataError) as info:
+        etcd_store.get("victim")
+    assert "victim" in str(info.value)
+    _still_serving(etcd_store)
+
+
+@pytest.mark.parametrize("writer_token", [b"abc", b"", b"\xff", b"1e400", b"-1"])
+def test_etcd_garbage_writer_token(etcd_store: Any, etcd_raw: Any, etcd_ns: str,
+                                   writer_token: bytes) -> None:
+    etcd_raw.put(f"{etcd_ns}:rec:fenced-victim", b"{}")
+    etcd_raw.put(f"{etcd_ns}:rtok:fenced-victim", writer_token)
+    lease = etcd_store.acquire(f"fence-writer-{uuid.uuid4().hex[:6]}", TTL_S, "writer:2:x")
+    assert lease is not None
+    try:
+        try:
+            etcd_store.put("fenced-victim", {"a": 1}, lease=lease)
+        except (StoreDataError, FencedError) as exc:
+            assert "fenced-victim" in str(exc)
+        else:
+            assert etcd_store.get("fenced-victim") == {"a": 1}
+    finally:
+        etcd_store.release(lease)
+    _still_serving(etcd_store)
+
+
+@pytest.mark.parametrize("raw_value", [b"\xff\xfe", b"[1]", b"{\"holder\": [1, 2]}", b"{}",
+                                       b"[" * 100_000])
+def test_etcd_garbage_lease(etcd_store: Any, etcd_raw: Any, etcd_ns: str,
+                            raw_value: bytes) -> None:
+    name = f"forged-{uuid.uuid4().hex[:6]}"
+    etcd_raw.put(f"{etcd_ns}:lease:{name}", raw_value)
+    try:
+        got = etcd_store.holder(name)
+    except StoreDataError as exc:
+        assert name in str(exc)
+    else:
+        assert got is None or (isinstance(got[0], str) and isinstance(got[1], int))
+    try:
+        assert etcd_store.acquire(name, TTL_S, "me:1:x") is None
+    except StoreDataError as exc:
+        assert name in str(exc)
+    _still_serving(etcd_store)
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                  HealthCheck.too_slow])
+@given(doc=garbage)
+def test_etcd_garbage_claim(etcd_store: Any, etcd_raw: Any, etcd_ns: str,
+                            doc: bytes | str) -> None:
+    key = f"task:forged-{uuid.uuid4().hex[:6]}"
+    etcd_raw.put(f"{etcd_ns}:claim:{key}", doc)
+    try:
+        got = etcd_store.claimant(key)
+    except StoreDataError as exc:
+        assert key in str(exc)
+    else:
+        assert got is None or (isinstance(got.token, int) and isinstance(got.value, Mapping))
+    lease = etcd_store.acquire(f"taker-{uuid.uuid4().hex[:6]}", TTL_S, "taker:1:x")
+    assert lease is not None
+    try:
+        token = etcd_store.claim(lease, key, {"queue": "crawl"})
+        assert isinstance(token, int) and token > 0
+        claim = etcd_store.claimant(key)
+        assert claim is not None and claim.holder == "taker:1:x" and claim.alive
+        assert etcd_store.unclaim(lease, key)
+    finally:
+        etcd_store.release(lease)
+    _still_serving(etcd_store)
+
+
+def test_etcd_garbage_key_names(etcd_store: Any, etcd_raw: Any, etcd_ns: str) -> None:
+    """Key names that are not UTF-8 (or not ours) under the namespace: listing operations skip
+    or name them; they never raise a foreign exception, and valid entries stay reachable."""
+    etcd_store.put("names/ok", {"ok": 1})
+    etcd_raw.put(f"{etcd_ns}:rec:names/".encode() + b"\xff\xfe", b"{}")
+    etcd_raw.put(f"{etcd_ns}:claim-leases:".encode() + b"\xc3\x28", b"")
+    etcd_raw.put(f"{etcd_ns}:claims-of:ghost/".encode() + b"\xff", b"")
+    etcd_raw.put(f"{etcd_ns}:claim-leases:ghost", b"")
+    for op in (lambda: etcd_store.scan("names/"), lambda: etcd_store.orphaned_claims(),
+               lambda: etcd_store.claims_of("ghost")):
+        with contextlib.suppress(StoreDataError):
+            op()
+    assert etcd_store.get("names/ok") == {"ok": 1}
+    _still_serving(etcd_store)
+
+
+def test_etcd_garbage_command_does_not_lose_valid_commands(etcd_store: Any, etcd_raw: Any,
+                                                           etcd_ns: str) -> None:
+    queue = f"beat/commands-{uuid.uuid4().hex[:6]}"
+    etcd_store.push(queue, {"op": "pause", "entry": "a"})
+    etcd_raw.put(f"{etcd_ns}:q:{queue}/0-forged", b"\xff not json")
+    etcd_store.push(queue, {"op": "resume", "entry": "b"})
+    got: list[dict[str, Any]] = []
+    for _ in range(5):
+        try:
+            batch = etcd_store.pop_all(queue)
+        except StoreDataError as exc:
+            assert queue in str(exc)
+            continue
+        if not batch:
+            break
+        got.extend(batch)
+    assert got == [{"op": "pause", "entry": "a"}, {"op": "resume", "entry": "b"}]
+    _still_serving(etcd_store)
