@@ -167,7 +167,6 @@ def _apply_deadline(headers: dict[str, Any], deadline: datetime) -> None:
     headers["timelimit"] = [hard, soft]
 
 
-@before_task_publish.connect(weak=False, dispatch_uid="celery_crawl.tasks.propagate_deadline")
 def _propagate_deadline(sender: Any = None, headers: dict[str, Any] | None = None,
                         **_: Any) -> None:
     """Give every published task its own or its publisher's deadline as expires/time limits."""
@@ -178,6 +177,10 @@ def _propagate_deadline(sender: Any = None, headers: dict[str, Any] | None = Non
     deadline = min((d for d in (own, inherited) if d is not None), default=None)
     if deadline is not None:
         _apply_deadline(headers, deadline)
+
+
+before_task_publish.connect(_propagate_deadline, weak=False,
+                            dispatch_uid="celery_crawl.tasks.propagate_deadline")
 
 
 # -- the task base ---------------------------------------------------------------------------
@@ -292,13 +295,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     request.crawl_rollback = outcome
                 raise
             if heartbeat.fenced or not ledger.touch(run_id):
-                exc = FencedError(
+                fenced = FencedError(
                     f"task {request.id}: idempotency key {ledger.key!r} was taken over by a "
                     "newer run while this one ran; its result is discarded")
-                outcome = self._roll_back(ledger, run_id, tok, exc, args, kwargs, final=False)
+                outcome = self._roll_back(ledger, run_id, tok, fenced, args, kwargs, final=False)
                 if outcome:
                     request.crawl_rollback = outcome
-                raise exc
+                raise fenced
             return result
         finally:
             heartbeat.stop()

@@ -300,7 +300,7 @@ class AuditedRedisBackend(RedisBackend):
                 self.crawl_config.audit_maxlen, worker, rollback,
                 "1" if self.checks_token_issuance else "0", task_id]
         reply = self.ensure(self._run_store, (keys, args))
-        return bytes_to_str(reply[0])
+        return str(bytes_to_str(reply[0]))
 
     def _run_store(self, keys: list[str], args: list[Any]) -> Any:
         return self._store_script(keys=keys, args=args, client=self.client)

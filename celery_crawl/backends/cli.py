@@ -10,7 +10,7 @@ import click
 
 from ..durations import parse_duration
 from ..errors import ConfigError, CrawlError
-from .audit import export, history, verify
+from . import audit as audit_log
 from .audited import AuditedRedisBackend
 
 __all__ = ["register"]
@@ -68,7 +68,7 @@ def audit() -> None:
 def verify_cmd(ctx: click.Context, quiet: bool) -> None:
     """Compare each task's last audited write with its stored result; exit 1 on divergence."""
     try:
-        report = verify(_backend(ctx))
+        report = audit_log.verify(_backend(ctx))
     except CrawlError as exc:
         raise click.ClickException(str(exc)) from exc
     for task_id, why in report.missing:
@@ -88,7 +88,7 @@ def verify_cmd(ctx: click.Context, quiet: bool) -> None:
 def show_cmd(ctx: click.Context, task_id: str) -> None:
     """Print one task's state history as a table."""
     try:
-        records = history(_backend(ctx), task_id)
+        records = audit_log.history(_backend(ctx), task_id)
     except CrawlError as exc:
         raise click.ClickException(str(exc)) from exc
     if not records:
@@ -109,7 +109,8 @@ def show_cmd(ctx: click.Context, task_id: str) -> None:
 def export_cmd(ctx: click.Context, since: str | None) -> None:
     """Write audit records as JSON lines to stdout (for retention)."""
     try:
-        count = export(_backend(ctx), click.get_text_stream("stdout"), since=_since(since))
+        out = sys.stdout
+        count = audit_log.export(_backend(ctx), out, since=_since(since))
     except CrawlError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"exported {count} records", err=True)

@@ -99,8 +99,8 @@ class KeyLedger:
             ``go``; ``done`` when it already completed for this (key, token); ``fenced`` when a
             final-failure rollback is asked by a run that no longer owns the key.
         """
-        return bytes_to_str(self._call(self.backend.idem_update_script, [
-            "rb_begin", run_id, self.heartbeat_ttl_ms, token, "1" if final else "0", failure]))
+        return str(bytes_to_str(self._call(self.backend.idem_update_script, [
+            "rb_begin", run_id, self.heartbeat_ttl_ms, token, "1" if final else "0", failure])))
 
     def rollback_end(self, run_id: str, token: str, *, final: bool, status: str) -> None:
         """Record the rollback outcome for ``token`` (``done`` or ``failed``)."""

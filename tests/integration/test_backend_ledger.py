@@ -1,0 +1,146 @@
+"""Idempotency-key bookkeeping scripts and deadline headers, against a real Redis."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from celery import Celery, states
+from celery.app.task import Context
+from celery.signals import before_task_publish
+
+from celery_crawl.backends.ledger import KeyLedger
+from celery_crawl.errors import ConfigError
+from celery_crawl.tasks import (
+    DEADLINE_HEADER,
+    IdempotentTask,
+    deadline_headers,
+    parse_deadline,
+)
+from tests.servers import RedisServer, wait_until
+
+
+@pytest.fixture
+def app(redis_server: RedisServer) -> Celery:
+    app = Celery(f"l{uuid.uuid4().hex[:6]}", broker="memory://", set_as_current=False,
+                 backend=f"crawlredis://127.0.0.1:{redis_server.port}/0")
+    app.conf.update(crawl_namespace=f"ns{uuid.uuid4().hex[:8]}", redis_socket_timeout=5)
+    return app
+
+
+class _Ids(dict[str, str]):
+    """Task ids unique to one test (fence records are per task id, on a shared server)."""
+
+    def __missing__(self, name: str) -> str:
+        self[name] = f"{name}-{uuid.uuid4().hex[:8]}"
+        return self[name]
+
+
+ids = _Ids()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ids() -> None:
+    ids.clear()
+
+
+def ledger(app: Celery, ttl_s: float = 30.0) -> KeyLedger:
+    return KeyLedger(app.backend, app.backend.crawl_config.namespace, uuid.uuid4().hex, ttl_s)
+
+
+def test_one_live_run_per_key(app) -> None:
+    led = ledger(app)
+    assert led.begin(ids["t1"], "", "run-a").kind == "run"
+    assert led.begin(ids["t1"], "", "run-b").kind == "duplicate"
+    assert led.begin(ids["t2"], "", "run-c").kind == "busy"
+    assert led.touch("run-a") and not led.touch("run-b")
+    assert led.release("run-a")
+    assert led.begin(ids["t2"], "", "run-c").kind == "run"
+
+
+def test_a_newer_claim_token_or_a_silent_owner_takes_the_key_over(app) -> None:
+    led = ledger(app, ttl_s=0.3)
+    assert led.begin(ids["t1"], "5", "old").kind == "run"
+    assert led.begin(ids["t1"], "4", "older").kind == "duplicate"
+    assert led.begin(ids["t1"], "6", "new").kind == "run"
+    assert not led.touch("old")  # the frozen run finds itself fenced
+    wait_until(lambda: led.begin(ids["t2"], "", "other").kind == "run", 10,
+               what="heartbeat expiry hands the key over")
+
+
+def test_finished_once_the_owner_stored_a_ready_state(app) -> None:
+    led = ledger(app)
+    assert led.begin(ids["t-done"], "", "a").kind == "run"
+    app.backend.store_result(ids["t-done"], 1, states.STARTED, request=Context())
+    assert led.begin(ids["t-other"], "", "b").kind == "busy"
+    app.backend.store_result(ids["t-done"], 7, states.SUCCESS, request=Context())
+    decision = led.begin(ids["t-other"], "", "b")
+    assert (decision.kind, decision.task_id) == ("finished", ids["t-done"])
+
+
+def test_rollback_at_most_once_per_token_and_recovery_of_a_pending_one(app) -> None:
+    led = ledger(app, ttl_s=0.3)
+    failure = json.dumps({"exc_type": "ValueError", "exc_message": ["x"],
+                          "exc_module": "builtins"})
+    assert led.begin(ids["t1"], "3", "a").kind == "run"
+    assert led.rollback_begin("a", "3", final=True, failure=failure) == "go"
+    # run "a" is killed here; the next delivery (newer token) finishes the rollback
+    decision = led.begin(ids["t1"], "4", "b")
+    assert (decision.kind, decision.rollback_token, decision.extra) == ("rollback", "3", failure)
+    assert led.rollback_begin("b", "3", final=True, failure=failure) == "go"
+    led.rollback_end("b", "3", final=True, status="done")
+    assert led.rollback_begin("b", "3", final=True, failure=failure) == "done"
+    after = led.begin(ids["t1"], "5", "c")
+    assert (after.kind, after.rollback_status) == ("finished-rb", "done")
+    app.backend.store_result(ids["t1"], ValueError("x"), states.FAILURE, request=Context())
+    assert led.begin(ids["t9"], "", "d").kind == "finished"
+
+
+def test_a_fenced_run_rolls_back_its_own_token_only(app) -> None:
+    led = ledger(app)
+    assert led.begin(ids["t1"], "1", "a").kind == "run"
+    assert led.begin(ids["t1"], "2", "b").kind == "run"
+    assert led.rollback_begin("a", "1", final=True, failure="{}") == "fenced"
+    assert led.rollback_begin("a", "1", final=False, failure="{}") == "go"
+    led.rollback_end("a", "1", final=False, status="done")
+    assert led.rollback_begin("a", "1", final=False, failure="{}") == "done"
+    assert led.rollback_begin("b", "2", final=True, failure="{}") == "go"
+
+
+def test_deadline_option_becomes_header_expires_and_time_limits(app) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def capture(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        seen.append(dict(headers or {}))
+
+    @app.task(base=IdempotentTask, time_limit=3600)
+    def job() -> None:
+        pass
+
+    before_task_publish.connect(capture, weak=False)
+    try:
+        deadline = datetime.now(UTC) + timedelta(seconds=60)
+        job.apply_async(deadline=deadline, idempotency_key="k1", expires=3600)
+        later = datetime.now(UTC) + timedelta(hours=2)
+        job.apply_async(headers=deadline_headers(later.isoformat()), expires=30)
+    finally:
+        before_task_publish.disconnect(capture)
+    first, second = seen
+    assert first[DEADLINE_HEADER] == deadline.isoformat()
+    assert first["idempotency_key"] == "k1"
+    assert datetime.fromisoformat(first["expires"]) == deadline  # the earlier of the two
+    hard, soft = first["timelimit"]
+    assert 50 < hard <= 60 and soft < hard
+    assert datetime.fromisoformat(second["expires"]) < later  # the task's own expires is earlier
+    assert second["timelimit"][0] == 3600
+
+
+def test_deadlines_must_be_aware() -> None:
+    with pytest.raises(ConfigError, match="naive"):
+        parse_deadline(datetime(2030, 1, 1))
+    with pytest.raises(ConfigError, match="ISO"):
+        parse_deadline("tomorrow")
+    assert parse_deadline(0) == datetime(1970, 1, 1, tzinfo=UTC)
