@@ -31,6 +31,8 @@ ALIASES = {
 }
 
 _PROBE = datetime(2000, 1, 1)
+# A range whose two ends are equal ("5-5", "mon-mon", "3-3/2").
+_EQUAL_RANGE = re.compile(r"([0-9A-Za-z]+)-([0-9A-Za-z]+)(/[0-9]+)?")
 # A bare 'H' token (not the H inside a day name such as THU).
 _HASH = re.compile(r"(?<![A-Z])H(?![A-Z])")
 
@@ -69,7 +71,8 @@ class CronExpr:
                     "@reboot has no meaning for a scheduler)"
                 )
             text = alias
-        fields = tuple(text.split(" "))
+        fields = tuple(_normalize_field(f) for f in text.split(" "))
+        text = " ".join(fields)
         if len(fields) not in (5, 6):
             raise ScheduleError(
                 f"cron {expr!r}: expected 5 fields (minute hour day month weekday) or 6 "
@@ -121,6 +124,24 @@ class CronExpr:
 
     def __repr__(self) -> str:
         return f"CronExpr({self.expr!r})"
+
+
+def _normalize_field(field: str) -> str:
+    """Rewrite equal ranges ("5-5") to the single value, as cron reads them.
+
+    croniter widens an equal range to the whole field ("5-5" would fire every minute), which
+    is the opposite of what the expression says.
+    """
+    items = []
+    for item in field.split(","):
+        match = _EQUAL_RANGE.fullmatch(item)
+        if match:
+            a, b = match.group(1), match.group(2)
+            same = int(a) == int(b) if a.isdigit() and b.isdigit() else a.lower() == b.lower()
+            if same:
+                item = a
+        items.append(item)
+    return ",".join(items)
 
 
 def wall_next(it: croniter, expr: str) -> datetime:
