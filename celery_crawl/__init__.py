@@ -1,11 +1,14 @@
 """celery-crawl: plugins that make stock Celery safe for fleets of periodic crawlers.
 
-``celery_crawl.install(app)`` wires every plugin into an existing Celery app.
+``celery_crawl.install(app)`` wires every plugin into an existing Celery app; the result backend
+is chosen by URL (``result_backend = "crawlredis://..."``) and tasks opt in with
+``@app.task(base=IdempotentTask)``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 from .config import CrawlConfig
 from .errors import (
@@ -24,14 +27,28 @@ from .errors import (
     StoreUnavailable,
     UnsupportedSetup,
 )
+from .leases import Claim, Lease, LeaseStore, open_store
+from .schedules import TzCron
+from .worker import current_claim
+
+if TYPE_CHECKING:
+    from .backends import AuditedRedisBackend
+    from .beat import LeasedScheduler
+    from .tasks import IdempotentTask
 
 __all__ = [
+    "AuditedRedisBackend",
+    "Claim",
     "ConfigError",
     "CrawlConfig",
     "CrawlError",
     "FencedError",
+    "IdempotentTask",
+    "Lease",
     "LeaseError",
     "LeaseLost",
+    "LeaseStore",
+    "LeasedScheduler",
     "NotLeader",
     "ScheduleError",
     "ScheduleFileError",
@@ -40,19 +57,64 @@ __all__ = [
     "StoreError",
     "StoreTimeout",
     "StoreUnavailable",
+    "TzCron",
     "UnsupportedSetup",
     "__version__",
+    "current_claim",
     "install",
+    "open_store",
 ]
 
 __version__ = "0.1.0"
 
+logger = logging.getLogger(__name__)
+
+_BEAT_SCHEDULER = "celery_crawl.beat:LeasedScheduler"
+_LAZY = {
+    "AuditedRedisBackend": ".backends",
+    "LeasedScheduler": ".beat",
+    "IdempotentTask": ".tasks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Celery-facing classes import Celery's beat/backend machinery: load them when asked for.
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'celery_crawl' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module, __name__), name)
+
 
 def install(app: Any) -> CrawlConfig:
-    """Wire celery-crawl into ``app`` and validate its ``crawl_*`` settings.
+    """Wire celery-crawl into ``app``; idempotent.
 
-    Returns the validated configuration. Raises ``ConfigError`` naming the bad setting.
+    Validates the ``crawl_*`` settings, registers the worker's lease and claim bootsteps (they
+    only act inside ``celery worker``), makes ``LeasedScheduler`` the default beat scheduler unless
+    the app chose one, and turns on deadline propagation for every task the app publishes.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: naming the bad setting.
     """
+    from . import tasks  # noqa: F401 - connects deadline propagation to before_task_publish
+    from .worker import install_worker
+
     config = CrawlConfig.from_app(app)
-    app.conf.setdefault("crawl_namespace", config.namespace)
+    install_worker(app, config)
+    if not _app_sets(app, "beat_scheduler"):
+        app.conf.beat_scheduler = _BEAT_SCHEDULER
     return config
+
+
+def _app_sets(app: Any, key: str) -> bool:
+    conf = app.conf
+    if key in getattr(conf, "changes", {}):
+        return True
+    source = getattr(app, "_config_source", None)
+    if isinstance(source, dict):
+        return key in source
+    return source is not None and hasattr(source, key)
