@@ -5,6 +5,7 @@
 =============================  ==============================================================
 ``/``                          home page linking to the listings and the difficult pages
 ``/listing/<name>?n=N``        a listing linking to ``/item/<name>/<i>`` for i in 1..N
+                               (``&item_delay=S``: links ask the items to answer slowly)
 ``/item/<name>/<i>?delay=S``   an item page (optionally answering after S seconds)
 ``/limited/<key>?after=N``     429 with ``Retry-After`` (``&retry_after=S``, default 1) for the
                                first N hits of ``key`` (default 1), then 200
@@ -130,7 +131,9 @@ class _SiteHandler(BaseHTTPRequestHandler):
                                       "/forbidden/home", "/slow?s=1"])
         elif head == "listing" and len(segs) == 2:
             n = int(query.get("n", "5"))
-            self._html(f"listing {segs[1]}", [f"/item/{segs[1]}/{i}" for i in range(1, n + 1)])
+            suffix = f"?delay={query['item_delay']}" if "item_delay" in query else ""
+            self._html(f"listing {segs[1]}",
+                       [f"/item/{segs[1]}/{i}{suffix}" for i in range(1, n + 1)])
         elif head == "item" and len(segs) == 3:
             delay = float(query.get("delay", "0"))
             if delay:

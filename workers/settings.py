@@ -185,7 +185,12 @@ class CrawlerSettings:
         if self.worker_lease_ttl_s is not None:
             conf["crawl_worker_lease_ttl"] = self.worker_lease_ttl_s
         if self.visibility_timeout_s is not None:
-            conf["broker_transport_options"] = {"visibility_timeout": self.visibility_timeout_s}
+            # Sweep for abandoned messages often enough for a short visibility timeout to matter.
+            conf["broker_transport_options"] = {
+                "visibility_timeout": self.visibility_timeout_s,
+                "unacked_restore_interval": max(1, int(self.visibility_timeout_s / 4)),
+                "unacked_restore_throttle": 1,
+            }
         return conf
 
 
