@@ -1,5 +1,6 @@
 -- KEYS[1] lease key, KEYS[2] token counter, KEYS[3] claims-of set of this lease,
--- KEYS[4] index of lease names having claims (zset), KEYS[5..] claim keys
+-- KEYS[4] index of lease names having claims (zset, score = smallest lease token among the
+-- name's claims, see orphans.lua), KEYS[5..] claim keys
 -- ARGV[1] lease name, ARGV[2] holder, ARGV[3] lease token, ARGV[4] namespace prefix ("ns:"),
 -- ARGV[5..] claim values (JSON), one per claim key
 -- Returns {-1} when the lease is not held, else {1, t1, t2, ...} with 0 for a refused claim.
@@ -31,10 +32,10 @@ for i = 5, #KEYS do
                'token', token, 'value', ARGV[i])
     redis.call('SADD', KEYS[3], ck)
     out[#out + 1] = token
-    if granted == 0 then granted = token end
+    granted = granted + 1
   else
     out[#out + 1] = 0
   end
 end
-if granted ~= 0 then redis.call('ZADD', KEYS[4], 'NX', granted, ARGV[1]) end
+if granted ~= 0 then redis.call('ZADD', KEYS[4], 'LT', ARGV[3], ARGV[1]) end
 return out

@@ -535,23 +535,39 @@ class EtcdLeaseStore:
         return [c for c in self._read_claims(keys) if c is not None and c.lease_name == lease_name]
 
     def orphaned_claims(self, limit: int = 1000) -> list[Claim]:
-        """Claims whose lease is dead, oldest lease first (by index creation)."""
+        """Claims whose lease is dead, oldest lease first (by index creation).
+
+        A lease name whose lease lives costs one one-key range (its oldest index entry: only
+        entries older than the current lease can belong to a dead predecessor of the same
+        name); only the claims of dead leases are read.
+        """
         index = self._k("claim-leases", "")
-        names = [(kv.key[len(index):].decode(), kv.create_revision)
-                 for kv in self._range("orphans", index, keys_only=True)]
-        names.sort(key=lambda item: item[1])
+        names = sorted(((kv.key[len(index):].decode(), kv.create_revision)
+                        for kv in self._range("orphans", index, keys_only=True)),
+                       key=lambda item: item[1])
+        live = {kv.key[len(self._k("lease", "")):].decode(): int(kv.create_revision)
+                for kv in self._range("orphans", self._k("lease", ""), keys_only=True)}
         out: list[Claim] = []
         for name, _ in names:
             if len(out) >= limit:
                 break
-            claims = self.claims_of(name)
             prefix = self._k("claims-of", f"{name}/")
-            if not claims:
-                # Nothing left under this lease name: drop stale index entries.
-                self._call("orphans", self._kv.DeleteRange, self._rpc.DeleteRangeRequest(
+            if name in live:
+                req = self._rpc.RangeRequest(key=prefix, range_end=_prefix_end(prefix),
+                                             keys_only=True, limit=1,
+                                             sort_target=self._rpc.RangeRequest.MOD,
+                                             sort_order=self._rpc.RangeRequest.ASCEND)
+                oldest = self._call("orphans", self._kv.Range, req).kvs
+                if not oldest or oldest[0].mod_revision >= live[name]:
+                    continue
+            claims = self.claims_of(name)
+            if not claims and name not in live:
+                # Nothing left under a dead lease name: drop its stale index entries. Guarded by
+                # the lease key's absence, because no claim can be added without a live lease.
+                wipe = self._rpc.RequestOp(request_delete_range=self._rpc.DeleteRangeRequest(
                     key=prefix, range_end=_prefix_end(prefix)))
-                self._txn("orphans", [self._cmp(prefix, "CREATE", "EQUAL", 0)],
-                          [self._del(self._k("claim-leases", name))])
+                self._txn("orphans", [self._cmp(self._k("lease", name), "CREATE", "EQUAL", 0)],
+                          [wipe, self._del(self._k("claim-leases", name))])
                 continue
             out.extend(c for c in claims if not c.alive)
         return out[:limit]

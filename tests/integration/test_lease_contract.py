@@ -406,3 +406,21 @@ def test_misc_server_time_ping_and_durability(store_backend: Backend, store: Lea
         assert server is None
         assert store.persistence()["persistent"] is True
     assert store.eviction_risk() is None
+
+
+def test_a_retaken_lease_name_does_not_revive_its_predecessors_claims(store: LeaseStore) -> None:
+    first = store.acquire("reaper", 30, "same-holder")
+    assert first is not None
+    old_token = store.claim(first, "task:old", {})
+    assert old_token is not None
+    store.release(first)
+    second = store.acquire("reaper", 30, "same-holder")  # same name and holder, new lease
+    assert second is not None and second.token > first.token
+    assert store.claim(second, "task:new", {}) is not None
+    old = store.claimant("task:old")
+    assert old is not None and not old.alive
+    assert [c.key for c in store.orphaned_claims()] == ["task:old"]
+    assert store.unclaim(second, "task:old") is False, "not bound to the current lease"
+    assert store.drop_claim(old)
+    assert store.orphaned_claims() == []
+    assert [c.key for c in store.claims_of("reaper") if c.alive] == ["task:new"]
