@@ -244,7 +244,7 @@ class RedisLeaseStore:
                 if script.sha is None:
                     self._load_all()
                 pipe = self._redis.pipeline(transaction=False)
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                pipe.evalsha(script.sha or "", len(keys), *keys, *args)
                 if use_wait:
                     pipe.execute_command(
                         "WAIT", self.wait_replicas, max(1, int(self.timeout_s * 500))
