@@ -4,7 +4,8 @@ Tasks (names are referenced by ``beat_schedules/*.toml``; keep them):
 
 * ``workers.crawler.crawl_site(url)`` — fetch a site's front page, fan out to its listings
   (links matching ``listing_pattern``) and to the other pages it links to;
-* ``workers.crawler.crawl_listing(url)`` — fetch a listing, fan out to its item pages;
+* ``workers.crawler.crawl_listing(url, max_pages=1)`` — fetch a listing, fan out to its item
+  pages and follow its next page while ``max_pages`` allows;
 * ``workers.crawler.crawl_item(url)`` — fetch one page and upsert it into the sink.
 
 Every fetch waits for the domain's shared politeness token and slot, then fetches through this
@@ -30,6 +31,7 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 from celery import Celery, Task, signals
@@ -227,7 +229,8 @@ def _custom_headers(task: Task) -> dict[str, Any]:
     return dict(headers) if isinstance(headers, dict) else {}
 
 
-def _fetch(task: Task, url: str, deadline: datetime, proxy_index: int) -> Page | FetchError:
+def _fetch(task: Task, url: str, deadline: datetime, proxy_index: int,
+           headers: dict[str, str] | None = None) -> Page | FetchError:
     """Politeness, then the fetch; retryable failures raise ``Retry``."""
     res = resources()
     left = _remaining_s(deadline)
@@ -238,7 +241,7 @@ def _fetch(task: Task, url: str, deadline: datetime, proxy_index: int) -> Page |
             if slot.waited_s > 0.5:
                 logger.info("politeness: waited %.2fs for %s", slot.waited_s, slot.domain)
             proxy = settings.proxies[min(proxy_index, len(settings.proxies) - 1)]
-            return process_fetcher(settings).fetch(url, proxy=proxy,
+            return process_fetcher(settings).fetch(url, proxy=proxy, headers=headers,
                                                    budget_s=_remaining_s(deadline))
     except PolitenessBusy as busy:
         countdown = max(busy.wait_s, 0.1)
@@ -279,7 +282,8 @@ def _child_id(parent_id: str, url: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{parent_id}|{url}"))
 
 
-def _fan_out(task: Task, links: list[str], deadline: datetime, target: Task) -> list[str]:
+def _fan_out(task: Task, links: list[str], deadline: datetime, target: Task,
+             kwargs: dict[str, Any] | None = None) -> list[str]:
     ids = []
     expires = deadline if _remaining_s(deadline) > 0 else None
     headers = {_DEADLINE_HEADER: deadline.isoformat()}
@@ -287,10 +291,17 @@ def _fan_out(task: Task, links: list[str], deadline: datetime, target: Task) -> 
     if entry:
         headers["crawl_entry"] = entry
     for link in links:
-        child = target.apply_async(args=(link,), task_id=_child_id(task.request.id, link),
+        child = target.apply_async(args=(link,), kwargs=kwargs or {},
+                                   task_id=_child_id(task.request.id, link),
                                    headers=headers, expires=expires)
         ids.append(child.id)
     return ids
+
+
+def _is_next_page(listing: str, link: str) -> bool:
+    """Whether ``link`` is another page of the listing ``listing`` (same path, other query)."""
+    a, b = urlsplit(listing), urlsplit(link)
+    return (a.netloc, a.path) == (b.netloc, b.path) and a.query != b.query
 
 
 def _duplicate_run(task: Task, token: int) -> bool:
@@ -307,54 +318,79 @@ def _duplicate_run(task: Task, token: int) -> bool:
 
 
 def _crawl_page_and_fan_out(task: Task, url: str, *, listing_pattern: str | None,
-                            max_items: int | None, proxy_index: int) -> dict[str, Any]:
+                            max_items: int | None, max_pages: int, proxy_index: int,
+                            headers: dict[str, str] | None = None) -> dict[str, Any]:
     deadline = task_deadline(task)
     token = fence_token(task)
     if _duplicate_run(task, token):
         return {"url": url, "outcome": "duplicate-run"}
-    result = _fetch(task, url, deadline, proxy_index)
+    result = _fetch(task, url, deadline, proxy_index, headers)
     stored = _store(task, url, result, token)
     if not isinstance(result, Page) or stored["outcome"] == "fenced":
         return stored
     _, links = parse_page(result.url, result.text())
     cap = max_items or settings.max_items
-    if listing_pattern is None:
-        listings, items = [], links[:cap]
-    else:
+    child_kwargs: dict[str, Any] = {"max_items": max_items} if max_items else {}
+    if headers and "Accept-Language" in headers:
+        child_kwargs["locale"] = headers["Accept-Language"]
+    if listing_pattern is None:  # a listing: its next page, then its items
+        pages = [u for u in links if _is_next_page(url, u)][:1] if max_pages > 1 else []
+        items = [u for u in links if not _is_next_page(url, u)][:cap]
+        children = _fan_out(task, pages, deadline, crawl_listing,
+                            {**child_kwargs, "max_pages": max_pages - 1})
+    else:  # a site: its listings, then its other pages
         listings = [u for u in links if listing_pattern in u]
         items = [u for u in links if listing_pattern not in u][:cap]
-    children = _fan_out(task, listings, deadline, crawl_listing)
-    children += _fan_out(task, items, deadline, crawl_item)
+        children = _fan_out(task, listings, deadline, crawl_listing, child_kwargs)
+    item_kwargs = {"locale": child_kwargs["locale"]} if "locale" in child_kwargs else {}
+    children += _fan_out(task, items, deadline, crawl_item, item_kwargs)
     return {**stored, "children": len(children)}
+
+
+def _locale_headers(locale: str | None) -> dict[str, str] | None:
+    return {"Accept-Language": locale} if locale else None
 
 
 # -- tasks ----------------------------------------------------------------------------------
 @app.task(bind=True, base=CrawlTask, name="workers.crawler.crawl_site", max_retries=None)
 def crawl_site(self: Task, url: str, *, listing_pattern: str = "/listing/",
-               max_items: int | None = None, proxy_index: int = 0) -> dict[str, Any]:
+               max_items: int | None = None, locale: str | None = None,
+               render_js: bool = False, proxy_index: int = 0) -> dict[str, Any]:
     """Crawl a site from its front page: listings get ``crawl_listing``, other pages
-    ``crawl_item`` (at most ``max_items``, default ``CRAWL_MAX_ITEMS``)."""
+    ``crawl_item`` (at most ``max_items``, default ``CRAWL_MAX_ITEMS``).
+
+    ``locale`` is sent as ``Accept-Language`` by this task and its children. ``render_js=True``
+    is refused: this crawler fetches HTML only (the page is recorded as failed, not guessed).
+    """
+    if render_js:
+        logger.warning("give up %s: render_js=True is not supported (HTML only)", url)
+        token = fence_token(self)
+        return _store(self, url, FetchError(url, "render-js-unsupported", retryable=False),
+                      token)
     return _crawl_page_and_fan_out(self, url, listing_pattern=listing_pattern,
-                                   max_items=max_items, proxy_index=proxy_index)
+                                   max_items=max_items, max_pages=1, proxy_index=proxy_index,
+                                   headers=_locale_headers(locale))
 
 
 @app.task(bind=True, base=CrawlTask, name="workers.crawler.crawl_listing", max_retries=None)
-def crawl_listing(self: Task, url: str, *, max_items: int | None = None,
-                  proxy_index: int = 0) -> dict[str, Any]:
-    """Crawl a listing page and fan out ``crawl_item`` to the pages it links to."""
+def crawl_listing(self: Task, url: str, *, max_pages: int = 1, max_items: int | None = None,
+                  locale: str | None = None, proxy_index: int = 0) -> dict[str, Any]:
+    """Crawl a listing page: fan out ``crawl_item`` to the pages it links to, and follow its
+    next page (a link to the same path with another query) while ``max_pages`` allows."""
     return _crawl_page_and_fan_out(self, url, listing_pattern=None, max_items=max_items,
-                                   proxy_index=proxy_index)
+                                   max_pages=max(1, int(max_pages)), proxy_index=proxy_index,
+                                   headers=_locale_headers(locale))
 
 
 @app.task(bind=True, base=CrawlTask, name="workers.crawler.crawl_item", max_retries=None)
-def crawl_item(self: Task, url: str, *, proxy_index: int = 0) -> dict[str, Any]:
+def crawl_item(self: Task, url: str, *, locale: str | None = None,
+               proxy_index: int = 0) -> dict[str, Any]:
     """Fetch one page and upsert it (or its failure) into the sink, fenced by the run's token."""
     deadline = task_deadline(self)
     token = fence_token(self)
     started = time.monotonic()
-    result = _fetch(self, url, deadline, proxy_index)
+    result = _fetch(self, url, deadline, proxy_index, _locale_headers(locale))
     stored = _store(self, url, result, token)
     logger.info("%s %s in %.2fs (token %d)", stored["outcome"], url,
                 time.monotonic() - started, token)
     return stored
-

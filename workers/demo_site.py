@@ -5,7 +5,8 @@
 =============================  ==============================================================
 ``/``                          home page linking to the listings and the difficult pages
 ``/listing/<name>?n=N``        a listing linking to ``/item/<name>/<i>`` for i in 1..N
-                               (``&item_delay=S``: links ask the items to answer slowly)
+                               (``&item_delay=S``: links ask the items to answer slowly;
+                               ``&pages=P``: pages 1..P, each linking to the next)
 ``/item/<name>/<i>?delay=S``   an item page (optionally answering after S seconds)
 ``/limited/<key>?after=N``     429 with ``Retry-After`` (``&retry_after=S``, default 1) for the
                                first N hits of ``key`` (default 1), then 200
@@ -115,7 +116,7 @@ class _SiteHandler(BaseHTTPRequestHandler):
         path = parts.path
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         via = PROXY_VIA in self.headers.get("Via", "")
-        hit = site.record(path, via)
+        hit = site.record(path, via, self.headers.get("Accept-Language"))
         segs = [s for s in path.split("/") if s]
         try:
             self._route(site, segs, query, via)
@@ -132,8 +133,11 @@ class _SiteHandler(BaseHTTPRequestHandler):
         elif head == "listing" and len(segs) == 2:
             n = int(query.get("n", "5"))
             suffix = f"?delay={query['item_delay']}" if "item_delay" in query else ""
-            self._html(f"listing {segs[1]}",
-                       [f"/item/{segs[1]}/{i}{suffix}" for i in range(1, n + 1)])
+            page, pages = int(query.get("page", "1")), int(query.get("pages", "1"))
+            links = [f"/item/{segs[1]}/{(page - 1) * n + i}{suffix}" for i in range(1, n + 1)]
+            if page < pages:
+                links.append(f"/listing/{segs[1]}?n={n}&pages={pages}&page={page + 1}")
+            self._html(f"listing {segs[1]} page {page}", links)
         elif head == "item" and len(segs) == 3:
             delay = float(query.get("delay", "0"))
             if delay:
@@ -229,9 +233,10 @@ class DemoSite(_Base):
         self._hits: list[dict[str, Any]] = []
         self._counts: Counter[str] = Counter()
 
-    def record(self, path: str, via: bool) -> dict[str, Any]:
+    def record(self, path: str, via: bool, lang: str | None = None) -> dict[str, Any]:
         """Log one request; the handler sets the returned record's ``end`` when it is done."""
-        hit: dict[str, Any] = {"path": path, "at": time.time(), "end": None, "via": via}
+        hit: dict[str, Any] = {"path": path, "at": time.time(), "end": None, "via": via,
+                               "lang": lang}
         with self._lock:
             self._hits.append(hit)
             self._counts["/".join(s for s in path.split("/") if s)] += 1

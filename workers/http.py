@@ -140,7 +140,8 @@ class Fetcher:
                 self._clients[proxy] = client
             return client
 
-    def fetch(self, url: str, *, proxy: str = DIRECT, budget_s: float | None = None) -> Page:
+    def fetch(self, url: str, *, proxy: str = DIRECT, budget_s: float | None = None,
+              headers: dict[str, str] | None = None) -> Page:
         """GET ``url`` and return the accepted page.
 
         Args:
@@ -148,6 +149,7 @@ class Fetcher:
             proxy: an entry of ``CRAWL_PROXIES``.
             budget_s: the caller's time left (its deadline); the fetch never runs past the
                 smaller of it and ``CRAWL_FETCH_TIMEOUT``, body included.
+            headers: extra request headers (e.g. ``Accept-Language``).
 
         Raises:
             FetchError: for every outcome that is not an accepted 2xx page.
@@ -162,7 +164,8 @@ class Fetcher:
                                 pool=min(s.pool_timeout_s, budget))
         started = time.monotonic()
         try:
-            with self._client(proxy).stream("GET", url, timeout=timeout) as response:
+            with self._client(proxy).stream("GET", url, timeout=timeout,
+                                            headers=headers) as response:
                 return self._accept(url, response, proxy, started, started + budget)
         except httpx.TooManyRedirects as exc:
             raise FetchError(url, "redirects", f"more than {s.max_redirects}",

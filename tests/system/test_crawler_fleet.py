@@ -30,8 +30,8 @@ class Fleet:
         self.app = client_app(env)
         self.workers = [start_worker(f"w{i}", env, tmp) for i in (1, 2)]
 
-    def send(self, task: str, url: str) -> None:
-        self.app.send_task(f"workers.crawler.{task}", args=[url])
+    def send(self, task: str, url: str, **kwargs: object) -> None:
+        self.app.send_task(f"workers.crawler.{task}", args=[url], kwargs=kwargs)
 
     def wait_rows(self, urls: list[str], timeout_s: float = 60) -> dict[str, dict]:
         return wait_until(lambda: (r := rows(self.sink)) and all(u in r for u in urls) and r,
@@ -141,3 +141,15 @@ def test_slow_reset_oversize_and_binary_pages_fail_cleanly(fleet: Fleet) -> None
     assert "give up " + f"{base}/reset: network after 2 retries" in fleet.logs()
     # The oversize body stopped being read near the 2 MiB cap: not a 4 MiB download.
     assert len(fleet.site.hits("/huge")) == 1
+
+
+def test_listing_pages_are_followed_up_to_max_pages_with_the_locale(fleet: Fleet) -> None:
+    base = f"{fleet.site.url}/listing/pg"
+    first = f"{base}?n=2&pages=3"
+    fleet.send("crawl_listing", first, max_pages=2, locale="de-DE")
+    second = f"{base}?n=2&pages=3&page=2"
+    items = [f"{fleet.site.url}/item/pg/{i}" for i in range(1, 5)]
+    got = fleet.wait_rows([first, second, *items], timeout_s=30)
+    assert all(got[u]["outcome"] == "ok" for u in [first, second, *items])
+    assert f"{base}?n=2&pages=3&page=3" not in rows(fleet.sink)
+    assert {h["lang"] for h in fleet.site.hits("/item/pg/")} == {"de-DE"}
