@@ -34,11 +34,17 @@ def configure(port: int) -> None:
                                   "unacked_restore_throttle": 1},
         redis_socket_timeout=5,
         redis_socket_connect_timeout=5,
+        crawl_max_deliveries=int(os.environ.get("TASKSAPP_MAX_DELIVERIES") or 5),
     )
+    app._local.__dict__.pop("backend", None)  # a backend made for an earlier server
 
 
 if os.environ.get("TASKSAPP_REDIS_PORT"):
     configure(int(os.environ["TASKSAPP_REDIS_PORT"]))
+if os.environ.get("TASKSAPP_WORKER_PLUGIN") == "1":
+    from celery_crawl.worker import install_worker
+
+    install_worker(app)
 
 
 def side() -> redis.Redis:
@@ -52,6 +58,12 @@ def side() -> redis.Redis:
 @app.task
 def add(x: int, y: int) -> int:
     return x + y
+
+
+@app.task(bind=True)
+def claim_token(self) -> int | None:
+    """The claim token the worker plugin gave this run."""
+    return getattr(self.request, "crawl_claim_token", None)
 
 
 @app.task
@@ -97,6 +109,13 @@ def slow(self, name: str, seconds: float, fail: bool = False) -> str:
     if fail:
         raise ValueError(f"{name} failed")
     return f"done:{name}"
+
+
+@app.task(bind=True, base=Recorded)
+def suicide(self, name: str) -> None:
+    """Kills its own pool process on every delivery: the worker plugin ends it as poison."""
+    side().rpush(f"runs:{name}", self.request.id)
+    os.kill(os.getpid(), 9)
 
 
 class Keyed(Recorded):

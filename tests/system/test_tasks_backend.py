@@ -25,10 +25,13 @@ TIMEOUT_S = 30  # generous: the machine is small and shared
 
 
 def _start_worker(port: int, log_dir: Path, name: str, concurrency: int = 2,
-                  queues: str | None = None) -> Proc:
+                  queues: str | None = None, plugin: bool = False,
+                  max_deliveries: int = 5) -> Proc:
     hostname = f"{name}-{uuid.uuid4().hex[:6]}@%h"
+    env = {"TASKSAPP_REDIS_PORT": str(port), "TASKSAPP_WORKER_PLUGIN": "1" if plugin else "0",
+           "TASKSAPP_MAX_DELIVERIES": str(max_deliveries)}
     return Proc(worker_args(APP, concurrency=concurrency, hostname=hostname, queues=queues),
-                env={"TASKSAPP_REDIS_PORT": str(port)}, log_path=log_dir / f"{name}.log")
+                env=env, log_path=log_dir / f"{name}.log")
 
 
 @pytest.fixture(scope="module")
@@ -145,23 +148,30 @@ def test_late_started_after_success_from_a_real_worker_is_refused(stack) -> None
     assert verify(backend).clean
 
 
+@pytest.mark.parametrize("plugin", [False, True], ids=["visibility-timeout", "worker-plugin"])
 def test_worker_killed_during_rollback_rollback_completes_once_after_recovery(
-        stack, tmp_path: Path) -> None:
+        stack, tmp_path: Path, plugin: bool) -> None:
+    """kill -9 mid-rollback; the task comes back (broker visibility timeout, or the worker
+    plugin's reaper once the victim's lease expired, with a newer claim token) and the next run
+    finishes the pending rollback instead of running the body again."""
     server, _ = stack
     name = _name()
     task_id = str(uuid.uuid4())
+    queue = f"kill-{name}"
     _side(server).set(f"rollback-hang:{name}", 1)  # the first rollback attempt hangs
-    victim = _start_worker(server.port, tmp_path, "victim", concurrency=1, queues="kill")
+    victim = _start_worker(server.port, tmp_path, "victim", concurrency=1, queues=queue,
+                           plugin=plugin)
     rescuer: Proc | None = None
     try:
-        result = tasksapp.slow.apply_async((name, 0.0, True), task_id=task_id, queue="kill")
+        result = tasksapp.slow.apply_async((name, 0.0, True), task_id=task_id, queue=queue)
         wait_until(lambda: _list(server, f"rollback-start:{name}"), TIMEOUT_S,
                    what=f"rollback started\n{victim.log()}")
         victim.kill9()
         assert _list(server, f"rollbacks:{name}") == []
         # The message was not acked (acks_late): the broker's visibility timeout redelivers it
         # to the next worker, which finds the dead run's rollback pending and finishes it.
-        rescuer = _start_worker(server.port, tmp_path, "rescuer", concurrency=1, queues="kill")
+        rescuer = _start_worker(server.port, tmp_path, "rescuer", concurrency=1, queues=queue,
+                                plugin=plugin)
         with pytest.raises(ValueError, match="failed"):
             result.get(timeout=TIMEOUT_S)
         assert _list(server, f"rollbacks:{name}") == [task_id]
@@ -169,7 +179,39 @@ def test_worker_killed_during_rollback_rollback_completes_once_after_recovery(
         meta = tasksapp.app.backend.get_task_meta(task_id, cache=False)
         assert meta["crawl_rollback"] == ROLLED_BACK
         assert len(_list(server, f"rollback-start:{name}")) == 2
+        records = history(tasksapp.app.backend, task_id)
+        assert (records[-1].state, records[-1].outcome, records[-1].rollback) == (
+            "FAILURE", "written", ROLLED_BACK)
+        if plugin:  # the rescuing delivery carried a newer claim token
+            tokens = [r.token for r in records]
+            assert None not in tokens and tokens[-1] > tokens[0]
     finally:
         victim.stop()
         if rescuer is not None:
             rescuer.stop()
+
+
+def test_worker_plugin_tokens_and_poison_rollback(stack, tmp_path: Path) -> None:
+    """With the worker plugin every write carries an issued claim token; a task that kills its
+    pool process on every delivery ends, after crawl_max_deliveries, as an audited FAILURE
+    whose rollback ran once (``crawl_on_poison``)."""
+    server, _ = stack
+    queue = f"plug-{_name()}"
+    worker = _start_worker(server.port, tmp_path, "plug", concurrency=1, queues=queue,
+                           plugin=True, max_deliveries=2)
+    try:
+        token = tasksapp.claim_token.apply_async(queue=queue).get(timeout=60)
+        assert isinstance(token, int)
+        name = _name()
+        result = tasksapp.suicide.apply_async((name,), queue=queue)
+        with pytest.raises(Exception, match="delivered"):
+            result.get(timeout=60)
+        meta = tasksapp.app.backend.get_task_meta(result.id, cache=False)
+        assert meta["crawl_rollback"] == ROLLED_BACK
+        assert _list(server, f"rollbacks:{name}") == [result.id]
+        assert 1 <= len(_list(server, f"runs:{name}")) <= 2  # the poison delivery does not run
+        last = history(tasksapp.app.backend, result.id)[-1]
+        assert (last.state, last.outcome, last.rollback) == ("FAILURE", "written", ROLLED_BACK)
+        assert last.token is not None and last.token > token
+    finally:
+        worker.stop()
