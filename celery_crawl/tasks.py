@@ -244,6 +244,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
                                    **options)
 
+    def signature_from_request(self, request: Any = None, args: Any = None, kwargs: Any = None,
+                               queue: str | None = None, **extra_options: Any) -> Any:
+        """Celery's, plus the idempotency key and deadline headers, so a retry keeps both."""
+        sig = super().signature_from_request(request, args, kwargs, queue, **extra_options)
+        request = self.request if request is None else request
+        carried = {h: getattr(request, h, None) for h in (IDEMPOTENCY_HEADER, DEADLINE_HEADER)}
+        carried = {k: v for k, v in carried.items() if v is not None}
+        if carried:
+            sig.options["headers"] = {**(sig.options.get("headers") or {}), **carried}
+        return sig
+
     def remaining(self) -> float | None:
         """Seconds left before this run's deadline (None without one)."""
         return remaining(self.request)

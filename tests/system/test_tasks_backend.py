@@ -63,7 +63,7 @@ def _name() -> str:
 def test_rollback_runs_once_after_the_final_failure_not_on_retries(stack) -> None:
     server, _ = stack
     name = _name()
-    result = tasksapp.flaky.delay(name, 2)
+    result = tasksapp.flaky.apply_async((name, 2), idempotency_key=f"flaky:{name}")
     with pytest.raises(ValueError, match="failed for good"):
         result.get(timeout=TIMEOUT_S)
     assert len(_list(server, f"runs:{name}")) == 3
@@ -73,6 +73,12 @@ def test_rollback_runs_once_after_the_final_failure_not_on_retries(stack) -> Non
     states = [(r.state, r.outcome, r.rollback) for r in history(tasksapp.app.backend, result.id)]
     assert ("FAILURE", "written", ROLLED_BACK) in states
     assert [s for s, _, _ in states].count("RETRY") == 2
+    # The key travelled with the retries: a new call with it replays the failure, unrun.
+    again = tasksapp.flaky.apply_async((name, 2), idempotency_key=f"flaky:{name}")
+    with pytest.raises(ValueError, match="failed for good"):
+        again.get(timeout=TIMEOUT_S)
+    assert len(_list(server, f"runs:{name}")) == 3
+    assert _list(server, f"rollbacks:{name}") == [result.id]
 
 
 def test_duplicate_deliveries_run_and_roll_back_once(stack) -> None:
