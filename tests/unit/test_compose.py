@@ -1,0 +1,243 @@
+"""docker-compose.yml: the services, their healthchecks, and every command really running.
+
+There is no Docker engine here, so each command is run as the container would run it, against
+local servers: hostnames and container ports are translated to loopback and free ports, paths
+under /data and /app to a temp dir and the checkout. Redis, etcd, the demo site, a beat replica,
+a worker and Flower are started from their compose commands, and each one's compose
+healthcheck must pass against it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from celery_crawl.schedules.files import load_schedule_files
+from tests.procs import ROOT, Proc
+from tests.servers import etcd_binary, free_port, wait_until
+
+COMPOSE = ROOT / "docker-compose.yml"
+EXPECTED = {"redis", "etcd", "demo-site", "beat-1", "beat-2", "worker-1", "worker-2", "flower",
+            "prometheus"}
+METRICS_PORT = "9100"
+_VAR = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?error}``."""
+    def sub(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        value = env.get(name, "")
+        if value:
+            return value
+        if op == "?":
+            raise ValueError(f"{name}: {arg}")
+        return arg if op == "-" else ""
+    return _VAR.sub(sub, text)
+
+
+# -- static checks ----------------------------------------------------------------------------
+def test_services_and_healthchecks() -> None:
+    services = _compose()["services"]
+    assert set(services) == EXPECTED
+    for name, svc in services.items():
+        test = svc.get("healthcheck", {}).get("test")
+        assert test and test[0] == "CMD", f"{name}: healthcheck must be an exec-form CMD"
+    redis_cmd = services["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
+    assert redis_cmd[redis_cmd.index("--maxmemory-policy") + 1] == "noeviction"
+    for beat in ("beat-1", "beat-2"):
+        cmd = services[beat]["command"]
+        assert cmd[cmd.index("-S") + 1] == "celery_crawl.beat:LeasedScheduler"
+    names = {services[w]["command"][services[w]["command"].index("-n") + 1]
+             for w in ("worker-1", "worker-2")}
+    assert len(names) == 2
+    flower = " ".join(services["flower"]["command"])
+    assert "--basic-auth=" in flower
+    with pytest.raises(ValueError, match="FLOWER_PASSWORD"):
+        interpolate(flower, {})
+
+
+def test_prometheus_scrapes_every_metrics_port() -> None:
+    services = _compose()["services"]
+    mount = next(v for v in services["prometheus"]["volumes"] if "prometheus.yml" in v)
+    config = yaml.safe_load((ROOT / mount.split(":")[0]).read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]}
+    exporters = {f"{name}:{svc['environment']['CRAWL_METRICS_PORT']}"
+                 for name, svc in services.items()
+                 if svc.get("environment", {}).get("CRAWL_METRICS_PORT")
+                 and name.startswith(("beat", "worker"))}
+    assert exporters == {"beat-1:9100", "beat-2:9100", "worker-1:9100", "worker-2:9100"}
+    assert targets == exporters
+
+
+def test_files_the_compose_file_refers_to_exist() -> None:
+    data = _compose()
+    build = data["x-crawler"]["build"]
+    dockerfile = ROOT / build["context"] / build["dockerfile"]
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), f"Dockerfile COPY {src}"
+    for svc in data["services"].values():
+        for volume in svc.get("volumes", []):
+            if volume.startswith("./"):
+                assert (ROOT / volume.split(":")[0]).exists(), volume
+
+
+def test_the_demo_schedule_is_valid_and_names_real_tasks() -> None:
+    env = _compose()["x-crawler"]["environment"]
+    pattern = env["CRAWL_SCHEDULE_PATHS"].replace("/app/", "")
+    result = load_schedule_files([pattern], base_dir=ROOT)
+    assert not result.errors, [str(e) for e in result.errors]
+    assert result.entries
+    tasks = {"workers.crawler.crawl_site", "workers.crawler.crawl_listing",
+             "workers.crawler.crawl_item"}
+    assert {spec.task for spec in result.entries.values()} <= tasks
+
+
+# -- every command, run for real ----------------------------------------------------------------
+class Translator:
+    """Container names, ports and paths -> this machine's."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.ports = {name: free_port() for name in
+                      ("redis", "etcd", "etcd-peer", "site", "proxy", "flower")}
+        p = self.ports
+        self.common = [
+            ("redis://redis:6379", f"redis://127.0.0.1:{p['redis']}"),
+            ("etcd://etcd:2379", f"etcd://127.0.0.1:{p['etcd']}"),
+            ("http://0.0.0.0:2379", f"http://127.0.0.1:{p['etcd']}"),
+            ("http://etcd:2379", f"http://127.0.0.1:{p['etcd']}"),
+            ("http://127.0.0.1:2379", f"http://127.0.0.1:{p['etcd']}"),
+            ("http://0.0.0.0:2380", f"http://127.0.0.1:{p['etcd-peer']}"),
+            ("http://etcd:2380", f"http://127.0.0.1:{p['etcd-peer']}"),
+            ("http://demo-site:8001", f"http://127.0.0.1:{p['proxy']}"),
+            ("http://demo-site:8000", f"http://127.0.0.1:{p['site']}"),
+            ("127.0.0.1:8000", f"127.0.0.1:{p['site']}"),
+            ("127.0.0.1:5555", f"127.0.0.1:{p['flower']}"),
+            ("--port=5555", f"--port={p['flower']}"),
+            ("0.0.0.0", "127.0.0.1"),
+            ("/etcd-data", str(tmp / "etcd-data")),
+            ("/data/", str(tmp) + "/"),
+            ("/app/", str(ROOT) + "/"),
+            ("/tmp/celerybeat-schedule", str(tmp / "celerybeat-schedule")),
+        ]
+
+    def text(self, value: str, *, metrics_port: int | None) -> str:
+        for old, new in self.common:
+            value = value.replace(old, new)
+        if metrics_port is not None:
+            value = value.replace(f"127.0.0.1:{METRICS_PORT}", f"127.0.0.1:{metrics_port}")
+        return value
+
+    def argv(self, service: str, argv: list[str], *, metrics_port: int | None) -> list[str]:
+        out = [self.text(interpolate(a, {"FLOWER_PASSWORD": "compose-test"}),
+                         metrics_port=metrics_port) for a in argv]
+        if service == "demo-site":
+            out = [self._port_arg(out, i, a) for i, a in enumerate(out)]
+        if out[0] == "celery":
+            out[0] = str(Path(sys.executable).with_name("celery"))
+        elif out[0] == "python":
+            out[0] = sys.executable
+        elif out[0] in ("redis-server", "etcd", "etcdctl"):
+            out[0] = shutil.which(out[0]) or (etcd_binary() if out[0] == "etcd" else out[0])
+        return out
+
+    def _port_arg(self, argv: list[str], i: int, arg: str) -> str:
+        prev = argv[i - 1] if i else ""
+        if prev == "--port":
+            return str(self.ports["site"])
+        if prev == "--proxy-port":
+            return str(self.ports["proxy"])
+        return arg
+
+
+@pytest.fixture
+def translator(tmp_path: Path) -> Translator:
+    return Translator(tmp_path)
+
+
+@pytest.fixture
+def started() -> Iterator[list[Proc]]:
+    procs: list[Proc] = []
+    yield procs
+    for proc in reversed(procs):
+        proc.stop()
+
+
+def _healthy(argv: list[str], env: dict[str, str]) -> bool:
+    out = subprocess.run(argv[1:], capture_output=True, timeout=20, env=env, cwd=str(ROOT))
+    return out.returncode == 0
+
+
+@pytest.mark.system
+def test_every_command_runs_and_passes_its_healthcheck(
+        translator: Translator, started: list[Proc], tmp_path: Path) -> None:
+    if etcd_binary() is None:
+        pytest.skip("etcd binary not found")
+    services = _compose()["services"]
+    redis_cmd = translator.argv("redis", services["redis"]["command"], metrics_port=None)
+    redis_cmd += ["--port", str(translator.ports["redis"]), "--bind", "127.0.0.1",
+                  "--dir", str(tmp_path)]
+    env_base = {**os.environ, "ETCDCTL_API": "3"}
+    unique: dict[str, str] = {}
+    for name, svc in services.items():
+        if name == "prometheus":
+            continue  # no prometheus binary here: its config is checked above
+        key = " ".join(svc["command"]).replace(name, "<svc>")
+        if key in unique.values():
+            continue  # beat-2 / worker-2 run exactly what beat-1 / worker-1 run
+        unique[name] = key
+    health: dict[str, tuple[list[str], dict[str, str]]] = {}
+    for name in unique:
+        svc = services[name]
+        port = free_port() if svc.get("environment", {}).get("CRAWL_METRICS_PORT") else None
+        env = {**env_base, **{k: translator.text(str(v), metrics_port=None)
+                              for k, v in svc.get("environment", {}).items()}}
+        if port is not None:
+            env["CRAWL_METRICS_PORT"] = str(port)
+        env.update(CRAWL_BEAT_LEASE_TTL="3", CRAWL_WORKER_LEASE_TTL="3")
+        argv = redis_cmd if name == "redis" else translator.argv(name, svc["command"],
+                                                                 metrics_port=port)
+        check = translator.argv(name, svc["healthcheck"]["test"][1:], metrics_port=port)
+        if name == "redis":
+            check += ["-p", str(translator.ports["redis"])]
+        health[name] = (["CMD", *check], env)
+        started.append(Proc(argv, env=env, log_path=tmp_path / f"{name}.log"))
+        if name in ("redis", "etcd"):  # the others depend on these being healthy
+            wait_until(lambda n=name: _healthy(*health[n]), 60, what=f"{name} healthy")
+    assert {"redis", "etcd", "demo-site", "beat-1", "worker-1", "flower"} <= set(unique)
+    for proc, name in zip(started, unique, strict=True):
+        wait_until(lambda n=name, p=proc: _healthy(*health[n]) or not p.alive(), 90,
+                   what=f"{name} healthcheck ({proc.log_path})")
+        assert proc.alive(), f"{name} exited:\n{proc.log()[-3000:]}"
+        assert "Traceback" not in proc.log(), proc.log()[-3000:]
+    # Flower is behind basic auth.
+    import urllib.error
+    import urllib.request
+
+    flower = f"http://127.0.0.1:{translator.ports['flower']}/"
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(flower, timeout=10)
+    assert denied.value.code == 401
+    request = urllib.request.Request(flower, headers={
+        "Authorization": "Basic " + __import__("base64").b64encode(
+            b"crawl:compose-test").decode()})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 200
