@@ -88,8 +88,9 @@ class LoadResult:
 
 
 def _display(path: Path, base: Path) -> str:
+    # abspath, not resolve(): a symlinked file is shown under the name it was found by.
     try:
-        return str(path.resolve().relative_to(base.resolve()))
+        return str(Path(os.path.abspath(path)).relative_to(os.path.abspath(base)))
     except ValueError:
         return str(path)
 

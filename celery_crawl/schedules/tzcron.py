@@ -161,27 +161,49 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         offset = jitter_offset_s(self._name, slot, self._jitter_s, room_s)
         return slot + timedelta(seconds=offset)
 
+    def _around(self, a: datetime) -> tuple[datetime | None, datetime]:
+        """The last slot at or before ``a`` if it is within ``jitter`` of it, and the first
+        slot after ``a``.
+
+        A slot's fire never reaches the next slot, so among slots at or before ``a`` only the
+        last can still fire after ``a``. It is found by looking back 1 s, 2 s, 4 s ... (capped
+        at ``jitter``): a handful of ``next_slot`` calls even when the jitter spans thousands of
+        slots.
+        """
+        look_back_s = 1.0
+        while True:
+            span_s = min(look_back_s, self._jitter_s)
+            slot = self._rule.next_slot(a - timedelta(seconds=span_s))
+            if slot <= a:
+                while True:
+                    following = self._rule.next_slot(slot)
+                    if following > a:
+                        return slot, following
+                    slot = following
+            if span_s >= self._jitter_s:
+                return None, slot
+            look_back_s *= 2
+
+    def _fire_between(self, slot: datetime, following: datetime) -> datetime:
+        room_s = (following - slot).total_seconds()
+        return slot + timedelta(seconds=jitter_offset_s(self._name, slot, self._jitter_s, room_s))
+
     def next_fire(self, after: datetime) -> datetime:
         """The first fire instant strictly after ``after`` (aware), as aware UTC.
 
-        With jitter a slot at or before ``after`` can still fire after it, so the search starts
-        ``jitter`` seconds earlier.
+        With jitter, the last slot at or before ``after`` may still fire after it.
         """
         if not isinstance(after, datetime) or after.tzinfo is None:
             raise ScheduleError(f"next_fire: expected an aware datetime, got {after!r}")
         a = after.astimezone(UTC)
         if self._jitter_s <= 0:
             return self._rule.next_slot(a)
-        slot = self._rule.next_slot(a - timedelta(seconds=self._jitter_s))
-        while True:
-            following = self._rule.next_slot(slot)
-            room_s = (following - slot).total_seconds()
-            fire = slot + timedelta(
-                seconds=jitter_offset_s(self._name, slot, self._jitter_s, room_s)
-            )
+        previous, slot = self._around(a)
+        if previous is not None:
+            fire = self._fire_between(previous, slot)
             if fire > a:
                 return fire
-            slot = following
+        return self._fire_between(slot, self._rule.next_slot(slot))
 
     def fires(self, start: datetime, end: datetime) -> Iterator[tuple[datetime, datetime]]:
         """``(slot, fire instant)`` pairs for the fires in ``(start, end]``, in order."""
@@ -191,11 +213,9 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
             fire = self.next_fire(current)
             if fire > end_utc:
                 return
-            slot = fire
-            if self._jitter_s > 0:
-                slot = self._rule.next_slot(fire - timedelta(seconds=self._jitter_s))
-                while self.fire_time(slot) != fire:
-                    slot = self._rule.next_slot(slot)
+            # a fire lies in [its slot, the next slot): its slot is the last one <= fire
+            slot = fire if self._jitter_s <= 0 else self._around(fire)[0]
+            assert slot is not None
             yield slot, fire
             current = fire
 

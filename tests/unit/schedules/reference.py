@@ -124,9 +124,9 @@ def reference_fires(expr: str, tz: ZoneInfo, start: datetime, end: datetime, *,
         if u > start and cron.matches(wall):
             first = wall.replace(tzinfo=tz, fold=0).astimezone(UTC)
             second = wall.replace(tzinfo=tz, fold=1).astimezone(UTC)
-            if first == second or not cron.fixed or fold == "both":
-                fires.add(u)
-            elif (fold == "first") == (u == first):
+            seen_once = first == second
+            on_allowed_pass = fold == "both" or (fold == "first") == (u == first)
+            if seen_once or not cron.fixed or on_allowed_pass:
                 fires.add(u)
         u += cron.step
     if cron.fixed and gap == "shift":
