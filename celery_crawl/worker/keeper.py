@@ -90,6 +90,8 @@ class Keeper:
         self.last_error: str | None = None
         self.last_loss: str | None = None
         self.renew_seconds = 0.0
+        #: True while the last store call of this keeper failed (the store looks unreachable).
+        self.failing = False
         self.holder = holder_factory()
 
     # -- state -----------------------------------------------------------------------------
@@ -170,8 +172,10 @@ class Keeper:
         if lease is None:
             try:
                 self._acquire(reacquire=True)
+                self.failing = False
             except StoreError as exc:
                 self.last_error = str(exc)
+                self.failing = True
         elif now >= lease.valid_until:
             self._lose(
                 f"lease {lease.name} (token {lease.token}) expired on our clock "
@@ -209,11 +213,13 @@ class Keeper:
             new = self.store.renew(lease)
         except LeaseLost as exc:
             self.renew_failed += 1
+            self.failing = False
             metrics.LEASE_RENEWALS.labels(ROLE, "lost").inc()
             self._lose(f"the store says lease {lease.name} is lost: {exc}")
             return
         except StoreError as exc:
             self.renew_failed += 1
+            self.failing = True
             self.last_error = str(exc)
             metrics.LEASE_RENEWALS.labels(ROLE, "error").inc()
             left = lease.valid_until - self.clock()
@@ -227,6 +233,7 @@ class Keeper:
         finally:
             self.renew_seconds += time.perf_counter() - t0
         self.renew_ok += 1
+        self.failing = False
         metrics.LEASE_RENEWALS.labels(ROLE, "ok").inc()
         with self._lock:
             if self._lease is lease:

@@ -108,12 +108,19 @@ class Reaper:
             return 0
         t0 = time.monotonic()
         record_requeues(self.store, claims, self.done_ttl_s)
-        tags = [c.value.get("delivery_tag") for c in claims]
-        self.broker.restore([t for t in tags if t is not None])
-        dropped = 0
-        for claim in claims:
-            if self.store.drop_claim(claim):
-                dropped += 1
+        # Drop first (compare-and-delete on the claim token), restore only what we dropped: a
+        # claim re-taken since we read it belongs to a live delivery whose tag must not be
+        # restored again.
+        dropped_claims = [c for c in claims if self.store.drop_claim(c)]
+        dropped = len(dropped_claims)
+        tags = [c.value.get("delivery_tag") for c in dropped_claims]
+        try:
+            self.broker.restore([t for t in tags if t is not None])
+        except Exception:
+            logger.error(
+                "celery-crawl: restoring delivery tags %s failed; kombu's visibility timeout "
+                "will redeliver them", tags, exc_info=True)
+            raise
         self.recovered += dropped
         metrics.WORKER_RECOVERIES.inc(dropped)
         logger.warning(

@@ -25,7 +25,7 @@ from celery import bootsteps, signals
 from celery.app.task import Context
 from celery.worker import state as worker_state
 
-from .. import metrics
+from .. import keys, metrics
 from ..config import CrawlConfig
 from ..errors import LeaseLost, StoreError
 from ..leases.base import Lease, LeaseStore
@@ -121,12 +121,12 @@ class LeaseStep(bootsteps.StartStopStep):
         return None
 
     def shutdown(self, w: Any) -> None:
-        self.close()
+        self.release()
 
     def _on_worker_shutdown(self, sender: Any = None, **_: Any) -> None:
-        self.close()
+        self.release()
 
-    def close(self) -> None:
+    def release(self) -> None:
         """Release the lease (our remaining claims become orphaned for the reaper)."""
         if self._closed:
             return
@@ -254,6 +254,8 @@ class LeaseStep(bootsteps.StartStopStep):
         def on_ack(*args: Any, **kw: Any) -> Any:
             if held.fenced:
                 return None
+            if not self._lease_valid_for(held):
+                return self._complete_stale(held, "done", False, lambda: ack(*args, **kw))
             self._complete(held, "done", requeue=False)
             return ack(*args, **kw)
 
@@ -261,11 +263,49 @@ class LeaseStep(bootsteps.StartStopStep):
             if held.fenced:
                 return None
             requeue = bool(kw.get("requeue", args[2] if len(args) > 2 else False))
+            if not self._lease_valid_for(held):
+                return self._complete_stale(held, "rejected", requeue,
+                                            lambda: reject(*args, **kw))
             self._complete(held, "rejected", requeue=requeue)
             return reject(*args, **kw)
 
         held.extra["ack"], held.extra["reject"] = ack, reject
         original(held.message, body, on_ack, on_reject, callbacks, **kwargs)
+
+    def _lease_valid_for(self, held: Held) -> bool:
+        lease = self.keeper.lease if self.keeper else None
+        return lease is not None and lease.name == held.lease_name
+
+    def _complete_stale(self, held: Held, state: str, requeue: bool,
+                        settle: Callable[[], Any]) -> None:
+        """A task ended after its claim's lease was lost (noticed before the loss handler ran).
+
+        If the claim is still ours (nobody reaped it) the run counts: settle the message and
+        record the end. If it was reaped, the Redis delivery tag may already belong to the
+        redelivered copy running elsewhere, so the message is only forgotten locally (acking it
+        would delete the other worker's unacked entry); RabbitMQ knows whether the delivery is
+        still ours, so it is settled normally.
+        """
+        self.book.pop(held.delivery_tag)
+        held.fenced = True
+        assert self.store is not None and self.claimer is not None
+        ours: bool | None
+        try:
+            current = self.store.claimant(keys.task_claim(held.task_id))
+            ours = current is not None and current.token == held.token
+        except StoreError:
+            ours = None
+        logger.warning("celery-crawl: %s[%s] ended after its lease was lost (claim %s)",
+                       held.extra["task"], held.task_id,
+                       {True: "still ours", False: "taken over", None: "unknown"}[ours])
+        if ours:
+            with contextlib.suppress(StoreError, LeaseLost):
+                self.claimer.finish(held, state=state, requeue=requeue)
+            settle()
+        elif ours is None or (self.broker is not None and self.broker.kind != "redis"):
+            settle()
+        else:
+            self._release(held, "claim taken over", requeue=False)
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
         if self.book.pop(held.delivery_tag) is None:
@@ -377,13 +417,17 @@ class LeaseStep(bootsteps.StartStopStep):
             self._stop_consuming(c, reason)
         fenced = self.book.take_all()
         metrics.WORKER_CLAIMS.set(0)
+        # A store we cannot reach may have lost our claims (and the delivery tags they record)
+        # or be unreachable for the reaper too: requeue ourselves. A store that answered "lost"
+        # (or a freeze) means the reaper can see our orphaned claims and restores each tag once.
+        requeue = bool(self.keeper and self.keeper.failing)
         cancelled = 0
         for held in fenced:
             held.fenced = True
             if not held.parked:
                 self.fenced_count += 1
                 cancelled += self._cancel_request(held)
-            self._release(held, reason)
+            self._release(held, reason, requeue=requeue)
         logger.error(
             "celery-crawl: lease lost (%s): stopped consuming, cancelled %d running/reserved "
             "task(s) without acking, released %d delivery(ies); resuming once a new lease is "
@@ -441,14 +485,14 @@ class LeaseStep(bootsteps.StartStopStep):
                          req.name, req.id, held.token)
         return 0
 
-    def _release(self, held: Held, reason: str) -> None:
+    def _release(self, held: Held, reason: str, *, requeue: bool = True) -> None:
         """Hand an unacked delivery back without acking it (it must run again somewhere)."""
         message = held.message
         if message is None or message.acknowledged:
             return
         broker = self.broker.kind if self.broker else "amqp"
         try:
-            if broker == "redis" and held.token is not None:
+            if broker == "redis" and held.token is not None and not requeue:
                 # Our claim records this tag: the reaper restores it exactly once. Forget it
                 # locally so closing our channel does not restore it a second time.
                 from kombu.transport.virtual.base import QoS as VirtualQoS

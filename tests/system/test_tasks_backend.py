@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -221,3 +222,45 @@ def test_worker_plugin_tokens_and_poison_rollback(stack, tmp_path: Path) -> None
         assert last.token is not None and last.token > token
     finally:
         worker.stop()
+
+
+def test_a_frozen_run_is_fenced_and_rolls_back_its_own_effects(stack, tmp_path: Path) -> None:
+    """SIGSTOP a worker mid-task; another worker takes the key over and stores SUCCESS; the
+    frozen run, resumed, finds itself fenced: it rolls back and its late write is refused."""
+    server, _ = stack
+    name = _name()
+    task_id = str(uuid.uuid4())
+    queue = f"freeze-{name}"
+    victim = _start_worker(server.port, tmp_path, "frozen", concurrency=1, queues=queue)
+    rescuer: Proc | None = None
+    backend = tasksapp.app.backend
+    try:
+        result = tasksapp.slow.apply_async((name, 2.0), task_id=task_id, queue=queue)
+        wait_until(lambda: _list(server, f"runs:{name}"), TIMEOUT_S, what="run started")
+        victim.signal_group(signal.SIGSTOP)
+        record = backend.idempotency_key("tasksapp", task_id)
+        client = server.client()
+
+        def heartbeat_expired() -> bool:
+            seconds, micros = client.time()
+            return int(client.hget(record, "hb") or 0) < seconds * 1000 + micros // 1000
+
+        wait_until(heartbeat_expired, TIMEOUT_S, what="the frozen run's heartbeat to lapse")
+        rescuer = _start_worker(server.port, tmp_path, "rescuer", concurrency=1, queues=queue)
+        assert result.get(timeout=TIMEOUT_S) == f"done:{name}"
+        assert len(_list(server, f"runs:{name}")) == 2
+        victim.signal_group(signal.SIGCONT)
+        wait_until(lambda: _list(server, f"rollbacks:{name}"), TIMEOUT_S,
+                   what=f"the fenced run's rollback\n{victim.log()}")
+        assert _list(server, f"rollbacks:{name}") == [task_id]
+        wait_until(lambda: history(backend, task_id)[-1].state == "FAILURE", TIMEOUT_S,
+                   what="the fenced run's write")
+        last = history(backend, task_id)[-1]
+        assert (last.outcome, last.rollback) == ("refused-stale", ROLLED_BACK)
+        assert backend.get_task_meta(task_id, cache=False)["result"] == f"done:{name}"
+        assert verify(backend).clean
+    finally:
+        victim.signal_group(signal.SIGCONT)
+        victim.stop()
+        if rescuer is not None:
+            rescuer.stop()

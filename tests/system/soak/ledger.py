@@ -83,6 +83,7 @@ class Summary:
     fenced: int = 0
     restarted_runs: int = 0
     beat_exits: int = 0
+    worker_exits: int = 0
     audit_ok: bool | None = None
     audit_output: str = ""
     failover_gaps: list[tuple[str, float]] = dataclasses.field(default_factory=list)
@@ -124,6 +125,7 @@ class Summary:
             f"  fenced stale writes {self.fenced}",
             f"  runs restarted      {self.restarted_runs} (started again after a worker fault)",
             f"  beat process exits  {self.beat_exits}",
+            f"  worker exits        {self.worker_exits} (not stopped by the soak; restarted)",
             "  audit verify        "
             + {True: "clean", False: "DIVERGED", None: "not run"}[self.audit_ok],
             f"  worst failover gap  {worst(self.worst_failover_gap)}",
@@ -153,9 +155,11 @@ def account(
     faults: Sequence[Fault],
     beat_exits: int,
     audit: tuple[bool, str] | None,
+    worker_exits: int = 0,
 ) -> Summary:
     """Classify every due slot and measure failover gaps and recovery times."""
-    summary = Summary(store=store, seed=seed, window=window, beat_exits=beat_exits)
+    summary = Summary(store=store, seed=seed, window=window, beat_exits=beat_exits,
+                      worker_exits=worker_exits)
     if audit is not None:
         summary.audit_ok, summary.audit_output = audit
     summary.faults.update(f.kind for f in faults)

@@ -28,8 +28,16 @@ SINK_DONE = "soak:done"
 SINK_FENCED = "soak:fenced"
 _TOKEN_KEY = "soak:token:{entry}|{slot}"
 
-# Accept the write unless a newer token already wrote this slot; ``tonumber`` is exact for
+# A run registers its token when it starts (the newest token wins), and its final write is
+# accepted only if no newer run has registered since: a stale run resumed after a freeze cannot
+# make its effect stick once the run that replaced it has begun. ``tonumber`` is exact for
 # tokens below 2**53 (Redis TIME in microseconds is about 2**50).
+_REGISTER = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
+if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1]) end
+redis.call('RPUSH', KEYS[2], ARGV[2])
+return 1
+"""
 _FENCED_WRITE = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
 local tok = tonumber(ARGV[1])
@@ -80,12 +88,11 @@ app.conf.update(
     enable_utc=True,
 )
 
-try:  # wires every plugin that has landed
-    from celery_crawl import install as _install
+from celery_crawl import install as _install  # noqa: E402 - after the settings it validates
+from celery_crawl.worker import install_worker  # noqa: E402
 
-    _install(app)
-except Exception as exc:  # pragma: no cover - reported by the soak, never silent
-    print(f"soak recorder: celery_crawl.install failed: {exc!r}", flush=True)
+_install(app)
+install_worker(app)  # idempotent; install() may already have done it
 
 _sink: redis.Redis | None = None
 
@@ -127,12 +134,13 @@ def record(self: Any, entry: str, duration_s: float = 0.0) -> dict[str, Any]:
         "delivery": (req.delivery_info or {}).get("redelivered"),
     }
     t_start = time.time()
-    sink().rpush(SINK_STARTS, json.dumps({**base, "t": t_start}))
+    token = base["claim_token"]
+    key = _TOKEN_KEY.format(entry=base["entry"], slot=base["slot"])
+    sink().eval(_REGISTER, 2, key, SINK_STARTS, -1 if token is None else token,
+                json.dumps({**base, "t": t_start}))
     if duration_s:
         time.sleep(duration_s)
     done = {**base, "t_start": t_start, "t": time.time()}
-    token = base["claim_token"]
-    key = _TOKEN_KEY.format(entry=base["entry"], slot=base["slot"])
     accepted = sink().eval(_FENCED_WRITE, 3, key, SINK_DONE, SINK_FENCED,
                            -1 if token is None else token, json.dumps(done))
     return {"entry": base["entry"], "slot": base["slot"], "accepted": bool(accepted)}

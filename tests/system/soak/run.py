@@ -82,7 +82,7 @@ class SkipCollector:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        while not self._stop.wait(2.0):
+        while not self._stop.wait(1.0):
             self.collect()
 
     def collect(self) -> bool:
@@ -126,6 +126,32 @@ def _audit(stack: Stack) -> tuple[bool, str] | None:
     return out.returncode == 0, text
 
 
+def _unacked_task_ids(stack: Stack) -> list[str]:
+    """Task ids left in kombu's ``unacked`` hash of the broker (stuck until the visibility
+    timeout unless the reaper restores them)."""
+    ids = []
+    for raw in stack.redis.client().hvals("unacked"):
+        try:
+            ids.append(json.loads(raw)[0]["headers"]["id"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            ids.append("<unparsable>")
+    return ids
+
+
+def _postmortem(stack: Stack, skips: SkipCollector, faults: list[Any],
+                monitor: LeaderMonitor) -> None:
+    """Everything the accounting used, as JSON beside the logs, to read a failed run."""
+    data = {
+        "starts": _read(stack, SINK_STARTS), "done": _read(stack, SINK_DONE),
+        "fenced": _read(stack, SINK_FENCED),
+        "skips": [vars(s) for s in skips.spans],
+        "faults": [vars(f) for f in faults],
+        "leader_samples": [vars(x) for x in monitor.samples],
+        "unacked": _unacked_task_ids(stack),
+    }
+    (stack.workdir / "postmortem.json").write_text(json.dumps(data, indent=1, default=str))
+
+
 def run_soak(store: str, seconds: float, seed: int, workdir: Path,
              log: Callable[[str], None] = print) -> tuple[Summary, list[str]]:
     """One soak run on lease store ``store``; returns its summary and monitor violations."""
@@ -166,7 +192,8 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
             return account(store=store, seed=seed, window=window, due_slots=slots,
                            starts=_read(stack, SINK_STARTS), done=_read(stack, SINK_DONE),
                            fenced=_read(stack, SINK_FENCED), skips=skips.spans, faults=faults,
-                           beat_exits=stack.beat_exits(), audit=audit)
+                           beat_exits=stack.beat_exits(), audit=audit,
+                           worker_exits=len(stack.unexpected_exits) - stack.beat_exits())
 
         drain_end = time.monotonic() + DRAIN_S
         summary = snapshot(None)
@@ -175,6 +202,14 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
             summary = snapshot(None)
         summary = snapshot(_audit(stack))
         violations = list(monitor.violations)
+        stuck = _unacked_task_ids(stack)
+        if stuck:
+            summary.notes.append(f"{len(stuck)} message(s) left in the broker's unacked hash: "
+                                 f"{', '.join(stuck[:5])}")
+        try:
+            _postmortem(stack, skips, faults, monitor)
+        except Exception as exc:  # evidence only; never the reason a run fails
+            summary.notes.append(f"post-mortem dump failed: {exc!r}")
     finally:
         monitor.stop()
         skips.stop()

@@ -90,7 +90,8 @@ class Member:
             preload = faketime_lib()
             assert preload, "libfaketime is not installed (apt-get install faketime)"
             env.update(FAKETIME=self.skew, FAKETIME_DONT_FAKE_MONOTONIC="1",
-                       FAKETIME_NO_CACHE="1")
+                       FAKETIME_NO_CACHE="1",
+                       PYTHONPATH=str(Path(__file__).with_name("faketime_site")))
         self.starts += 1
         log = self.log_dir / f"{self.name}.{self.starts}.log"
         self.proc = Proc(self.args, env=env, log_path=log, preload=preload)

@@ -1,0 +1,74 @@
+"""Celery app for the HA-beat system tests and the beat benchmark.
+
+Configured from the environment:
+
+* ``CRAWL_B_BROKER`` — broker URL (Redis);
+* ``CRAWL_B_LEASE`` — ``crawl_lease_url`` (Redis or etcd); ``CRAWL_B_NS`` — namespace;
+* ``CRAWL_B_TTL`` — ``crawl_beat_lease_ttl``; ``CRAWL_B_SINK`` — Redis URL the task records to;
+* ``CRAWL_B_ENTRIES`` — how many every-second entries (``e0``, ``e1`` ...), default 2;
+* ``CRAWL_B_CRON`` — their cron expression (default every second, 6 fields);
+* ``CRAWL_B_METRICS`` — ``crawl_metrics_port``.
+
+``record`` appends one JSON line ``{entry, slot, id, token, manual}`` to the sink list ``runs``,
+so a test can check every (entry, slot) ran exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_crawl.schedules import TzCron
+
+_env = os.environ.get
+
+app = Celery("beattest", broker=_env("CRAWL_B_BROKER"))
+app.conf.update(
+    broker_transport_options={"socket_timeout": 5, "socket_connect_timeout": 5},
+    broker_connection_retry_on_startup=True,
+    task_serializer="json",
+    accept_content=["json"],
+    task_ignore_result=True,
+    worker_hijack_root_logger=True,
+    worker_redirect_stdouts=False,
+    crawl_lease_url=_env("CRAWL_B_LEASE"),
+    crawl_namespace=_env("CRAWL_B_NS", "beattest"),
+    crawl_beat_lease_ttl=float(_env("CRAWL_B_TTL", "3")),
+    crawl_schedule_paths=[],
+    crawl_store_timeout=1.0,
+    crawl_metrics_port=int(_env("CRAWL_B_METRICS")) if _env("CRAWL_B_METRICS") else None,
+    beat_schedule={
+        f"e{i}": {"task": "beatapp.record", "schedule": TzCron(_env("CRAWL_B_CRON",
+                                                                     "* * * * * *"), "UTC")}
+        for i in range(int(_env("CRAWL_B_ENTRIES", "2")))
+    },
+)
+
+_sink: redis.Redis | None = None
+
+
+def _sink_client() -> redis.Redis | None:
+    global _sink
+    url = _env("CRAWL_B_SINK")
+    if _sink is None and url:
+        _sink = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    return _sink
+
+
+@app.task(name="beatapp.record", bind=True)
+def record(self: Any, *args: Any, **kwargs: Any) -> None:
+    req = self.request
+    line = {
+        "entry": getattr(req, "crawl_entry", None),
+        "slot": getattr(req, "crawl_slot", None),
+        "id": req.id,
+        "token": getattr(req, "crawl_leader_token", None),
+        "manual": bool(getattr(req, "crawl_manual", False)),
+    }
+    sink = _sink_client()
+    if sink is not None:
+        sink.rpush("runs", json.dumps(line))

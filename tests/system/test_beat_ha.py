@@ -1,0 +1,297 @@
+"""HA beat with real processes: three ``celery beat -S celery_crawl.beat:LeasedScheduler``
+replicas, a real worker recording every run, and real faults.
+
+Redis store (one shared cluster, scenarios in order): kill -9 of the leader, SIGSTOP beyond the
+TTL then SIGCONT, SIGTERM handoff, a restart of the store (AOF on), a replica whose wall clock
+is 30 s off (libfaketime, ``FAKETIME_DONT_FAKE_MONOTONIC=1``). etcd store: kill -9 of the leader.
+At the end of each cluster every (entry, slot) between its first run and its stored position
+ran exactly once (one task id; the same id delivered twice counts as deduplicated, which the
+worker plugin's claim makes harmless) or is recorded as skipped with a reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_crawl import keys
+from celery_crawl.beat.state import EntryState, SkipLog, parse_slot
+from celery_crawl.leases import open_store
+from celery_crawl.schedules import task_id_for
+from tests.procs import Proc, celery_args, faketime_lib, worker_args
+from tests.servers import EtcdServer, RedisServer, etcd_binary, wait_until
+
+pytestmark = pytest.mark.system
+
+TTL_S = 3.0
+ENTRIES = ("e0", "e1")
+#: bound for "a standby took over after kill -9 / SIGSTOP": ttl + 1 s, with 3x headroom
+KILL_BOUND_S = 3 * (TTL_S + 1.0)
+#: bound for the SIGTERM handoff: 1 s, with headroom for a loaded 2-core machine
+TERM_BOUND_S = 3.0
+
+
+class Cluster:
+    """Beat replicas, one worker, a sink; all processes in their own session."""
+
+    def __init__(self, *, lease_url: str, broker: RedisServer, logs: Path, ns: str) -> None:
+        self.lease_url = lease_url
+        self.broker = broker
+        self.logs = logs
+        self.ns = ns
+        self.beats: list[Proc] = []
+        self.others: list[Proc] = []
+        self.n = 0
+        self.env = {
+            "CRAWL_B_BROKER": broker.url_db(0),
+            "CRAWL_B_LEASE": lease_url,
+            "CRAWL_B_NS": ns,
+            "CRAWL_B_TTL": str(TTL_S),
+            "CRAWL_B_SINK": broker.url_db(2),
+            "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python",
+        }
+        self.store = open_store(lease_url, namespace=ns, timeout_s=2.0)
+
+    def spawn_beat(self, *, env: dict[str, str] | None = None, preload: str | None = None,
+                   tag: str = "beat") -> Proc:
+        self.n += 1
+        proc = Proc(celery_args("tests.system.beatapp", "beat", "-S",
+                                "celery_crawl.beat:LeasedScheduler", "-l", "INFO",
+                                "-s", str(self.logs / f"unused-{self.n}")),
+                    env={**self.env, **(env or {})}, preload=preload,
+                    log_path=self.logs / f"{tag}-{self.n}.log")
+        self.beats.append(proc)
+        return proc
+
+    def spawn_worker(self) -> None:
+        self.others.append(Proc(
+            worker_args("tests.system.beatapp", pool="threads", concurrency=4,
+                        hostname=f"w-{self.ns}@%h"),
+            env=self.env, log_path=self.logs / "worker.log"))
+
+    def holder(self) -> tuple[str, int] | None:
+        try:
+            return self.store.holder(keys.BEAT_LEADER)
+        except Exception:
+            return None
+
+    def leader_proc(self) -> tuple[Proc, int]:
+        got = wait_until(self.holder, KILL_BOUND_S, what="a beat leader")
+        pid = int(got[0].split(":")[1])
+        for p in self.beats:
+            if p.pid == pid:
+                return p, got[1]
+        raise AssertionError(f"leader {got} is not one of our replicas")
+
+    def wait_new_leader(self, old_token: int, bound_s: float) -> tuple[float, tuple[str, int]]:
+        t0 = time.monotonic()
+        got = wait_until(lambda: (h := self.holder()) and h[1] > old_token and h,
+                         bound_s, interval_s=0.02, what="a new leader")
+        return time.monotonic() - t0, got
+
+    def runs(self) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in self.broker.client(2).lrange("runs", 0, -1)]
+
+    def wait_runs(self, more: int, timeout_s: float = 15) -> None:
+        base = len(self.runs())
+        wait_until(lambda: len(self.runs()) >= base + more, timeout_s,
+                   what=f"{more} more runs")
+
+    def alive_beats(self) -> list[Proc]:
+        return [p for p in self.beats if p.alive()]
+
+    def stop(self) -> None:
+        for p in self.beats + self.others:
+            p.stop(grace_s=3)
+        self.store.close()
+
+    def check_ledger(self) -> dict[str, int]:
+        """Every slot from each entry's first run to its stored position: exactly one task id
+        ran, or the slot is recorded as skipped with a reason."""
+        runs = [r for r in self.runs() if not r["manual"]]
+        by_slot: dict[tuple[str, str], Counter[str]] = {}
+        for r in runs:
+            by_slot.setdefault((r["entry"], r["slot"]), Counter())[r["id"]] += 1
+        stats = {"runs": 0, "deduplicated": 0, "skipped": 0}
+        for (entry, slot), ids in by_slot.items():
+            assert len(ids) == 1, f"{entry} {slot} ran under several ids: {ids}"
+            (tid, count), = ids.items()
+            assert tid == task_id_for(self.ns, entry, parse_slot(slot))
+            stats["runs"] += 1
+            stats["deduplicated"] += count - 1
+        for entry in ENTRIES:
+            state = EntryState.from_record(self.store.get(keys.beat_entry(entry)))
+            skips = SkipLog.from_record(self.store.get(keys.beat_skips(entry)))
+            ran = sorted(parse_slot(s) for (e, s) in by_slot if e == entry)
+            assert ran, f"{entry} never ran"
+            assert state.last_slot is not None
+            slot = ran[0]
+            while slot <= min(state.last_slot, ran[-1]):
+                if (entry, f"{slot:%Y-%m-%dT%H:%M:%SZ}") not in by_slot:
+                    reason = skips.covers(slot)
+                    assert reason, f"{entry} slot {slot} neither ran nor was recorded skipped"
+                    stats["skipped"] += 1
+                slot += timedelta(seconds=1)
+        return stats
+
+
+def _beat_logs(cluster: Cluster) -> str:
+    return "\n".join(f"--- {p.log_path.name}\n{p.log()[-3000:]}" for p in cluster.beats)
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
+                                                                              RedisServer]]:
+    logs = tmp_path_factory.mktemp("beat-redis")
+    store = RedisServer(appendonly=True).start()
+    broker = RedisServer().start()
+    cluster = Cluster(lease_url=store.url, broker=broker, logs=logs,
+                      ns=f"bha-{uuid.uuid4().hex[:6]}")
+    try:
+        cluster.spawn_worker()
+        for _ in range(3):
+            cluster.spawn_beat()
+        yield cluster, store
+    finally:
+        cluster.stop()
+        broker.cleanup()
+        store.cleanup()
+
+
+def test_one_leader_dispatches(redis_cluster: tuple[Cluster, RedisServer]) -> None:
+    cluster, _ = redis_cluster
+    leader, token = cluster.leader_proc()
+    cluster.wait_runs(4, timeout_s=30)
+    tokens = {r["token"] for r in cluster.runs()}
+    assert tokens == {token}, _beat_logs(cluster)
+    presence = wait_until(lambda: len(cluster.store.scan(keys.beat_presence(""))) == 3 and
+                          cluster.store.scan(keys.beat_presence("")), 10, what="3 presences")
+    assert sorted(r["role"] for r in presence.values()) == ["leader", "standby", "standby"]
+    assert all(r["clock_offset_s"] is not None for r in presence.values())
+
+
+def test_kill9_of_the_leader(redis_cluster: tuple[Cluster, RedisServer]) -> None:
+    cluster, _ = redis_cluster
+    leader, token = cluster.leader_proc()
+    leader.kill9()
+    took, _ = cluster.wait_new_leader(token, KILL_BOUND_S)
+    print(f"kill -9 failover (redis): {took:.2f}s")
+    cluster.wait_runs(2)
+    cluster.spawn_beat()
+
+
+def test_sigstop_beyond_ttl_then_sigcont(redis_cluster: tuple[Cluster, RedisServer]) -> None:
+    cluster, _ = redis_cluster
+    leader, token = cluster.leader_proc()
+    leader.signal_group(signal.SIGSTOP)
+    frozen_at = time.time()
+    try:
+        cluster.wait_new_leader(token, KILL_BOUND_S)
+        cluster.wait_runs(2)
+    finally:
+        leader.signal_group(signal.SIGCONT)
+    wait_until(lambda: "stopped dispatching and is standing by" in leader.log(), 15,
+               what="the resumed leader demotes")
+    assert leader.alive(), "a demoted leader must not exit"
+    late = [r for r in cluster.runs() if r["token"] == token
+            and parse_slot(r["slot"]).timestamp() > frozen_at + 1]
+    assert late == [], f"the frozen leader dispatched after resuming: {late}"
+
+
+def test_sigterm_hands_over_within_a_second(redis_cluster: tuple[Cluster, RedisServer]) -> None:
+    cluster, _ = redis_cluster
+    leader, token = cluster.leader_proc()
+    leader.signal_group(signal.SIGTERM)
+    took, _ = cluster.wait_new_leader(token, TERM_BOUND_S)
+    print(f"SIGTERM handoff (redis): {took:.2f}s")
+    assert took <= TERM_BOUND_S
+    wait_until(lambda: not leader.alive(), 10, what="the old leader exits on SIGTERM")
+    assert "released the leader lease" in leader.log()
+    cluster.wait_runs(2)
+    cluster.spawn_beat()
+
+
+def test_store_restart_with_aof(redis_cluster: tuple[Cluster, RedisServer]) -> None:
+    cluster, store = redis_cluster
+    cluster.leader_proc()
+    store.restart()
+    cluster.leader_proc()
+    cluster.wait_runs(4, timeout_s=20)
+
+
+def test_skewed_replica_never_leads(redis_cluster: tuple[Cluster, RedisServer]) -> None:
+    cluster, _ = redis_cluster
+    lib = faketime_lib()
+    if lib is None:
+        pytest.skip("libfaketime not installed")
+    skewed = cluster.spawn_beat(
+        env={"FAKETIME": "+30s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}, preload=lib,
+        tag="skewed")
+    wait_until(lambda: "wall clock is" in skewed.log(), 30, what="the skewed replica says so")
+    healthy = [p for p in cluster.alive_beats() if p is not skewed]
+    for p in healthy:
+        p.stop(grace_s=5)
+    # Only the skewed replica is left: nobody may lead for well over a TTL.
+    deadline = time.monotonic() + 2 * TTL_S
+    while time.monotonic() < deadline:
+        assert cluster.holder() is None, _beat_logs(cluster)
+        time.sleep(0.1)
+    assert skewed.alive()
+    assert "crawl_max_clock_skew" in skewed.log()
+    cluster.spawn_beat()
+    cluster.leader_proc()
+    cluster.wait_runs(4, timeout_s=30)
+
+
+def test_every_slot_ran_once_or_was_recorded_skipped(
+    redis_cluster: tuple[Cluster, RedisServer]
+) -> None:
+    cluster, _ = redis_cluster
+    stats = cluster.check_ledger()
+    print(f"redis ledger: {stats}")
+    assert stats["runs"] >= 10
+
+
+@pytest.fixture(scope="module")
+def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if etcd_binary() is None:
+        if os.environ.get("CRAWL_REQUIRE_ETCD") == "1" or os.environ.get("CI") == "true":
+            pytest.fail("etcd binary not found")
+        pytest.skip("etcd binary not found")
+    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+    logs = tmp_path_factory.mktemp("beat-etcd")
+    etcd = EtcdServer().start()
+    broker = RedisServer().start()
+    cluster = Cluster(lease_url=etcd.url, broker=broker, logs=logs,
+                      ns=f"bhe-{uuid.uuid4().hex[:6]}")
+    try:
+        cluster.spawn_worker()
+        for _ in range(3):
+            cluster.spawn_beat()
+        yield cluster
+    finally:
+        cluster.stop()
+        broker.cleanup()
+        etcd.cleanup()
+
+
+def test_kill9_of_the_leader_on_etcd(etcd_cluster: Cluster) -> None:
+    cluster = etcd_cluster
+    leader, token = cluster.leader_proc()
+    cluster.wait_runs(3, timeout_s=30)
+    leader.kill9()
+    took, _ = cluster.wait_new_leader(token, KILL_BOUND_S)
+    print(f"kill -9 failover (etcd): {took:.2f}s")
+    cluster.wait_runs(4)
+    stats = cluster.check_ledger()
+    print(f"etcd ledger: {stats}")

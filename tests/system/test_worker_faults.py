@@ -1,0 +1,173 @@
+"""Faults beyond kill -9: a frozen worker, a long task vs the visibility timeout, prefetched tasks
+of a dead worker, the lease store unreachable for longer than the TTL, a poison message."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import RedisServer, wait_until
+from tests.system.test_worker_recovery import BOUND_S, make_combo
+from tests.system.workerapp_harness import TTL_S, Combo, committed, runs, send, workers
+
+pytestmark = [pytest.mark.system]
+
+
+@pytest.fixture(scope="module")
+def redis_srv() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.mark.parametrize(("pool", "broker", "store"), [
+    ("prefork", "redis", "redis"),
+    ("threads", "rabbit", "etcd"),
+])
+def test_sigstop_beyond_ttl_is_cancelled_and_fenced(
+    request: pytest.FixtureRequest, redis_srv: RedisServer, tmp_path: Path,
+    pool: str, broker: str, store: str,
+) -> None:
+    combo = make_combo(request, redis_srv, broker, store, pool)
+    key = combo.ns
+    with workers(combo, tmp_path) as ws:
+        ws.start("a", wait=False)
+        ws.start("b", wait=False)
+        ws.wait_ready("a")
+        ws.wait_ready("b")
+        send(combo, key, 3.0)
+        first = wait_until(lambda: runs(combo, key), 30, what="first run started")[0]
+        victim = "a" if first["host"] == ws.hostname("a") else "b"
+        survivor = "b" if victim == "a" else "a"
+        ws.procs[victim].signal_group(signal.SIGSTOP)
+        try:
+            # The survivor runs it once the frozen worker's lease expired, and commits.
+            done = wait_until(
+                lambda: [r for r in runs(combo, key, "finished")
+                         if r["host"] == ws.hostname(survivor)],
+                BOUND_S + 15, what="the survivor finished the task")
+        finally:
+            ws.procs[victim].signal_group(signal.SIGCONT)
+        second = [r for r in runs(combo, key) if r["host"] == ws.hostname(survivor)][0]
+        assert second["token"] > first["token"]
+        assert done[0]["accepted"]
+        victim_proc = ws.procs[victim]
+        wait_until(lambda: "worker lease lost" in victim_proc.log(), 30,
+                   what="the resumed worker noticed its lease loss")
+        wait_until(lambda: "consuming again" in victim_proc.log(), 30,
+                   what="the resumed worker took a new lease")
+        stale = [r for r in runs(combo, key, "finished") if r["host"] == ws.hostname(victim)]
+        if pool == "prefork":
+            # Its child was killed before it could finish.
+            assert "cancelled 1 running" in victim_proc.log()
+            assert stale == []
+        else:
+            # A thread cannot be interrupted: its late write is refused by the fenced sink.
+            wait_until(lambda: [r for r in runs(combo, key, "finished")
+                                if r["host"] == ws.hostname(victim)], 15,
+                       what="the stale thread finished")
+            stale = [r for r in runs(combo, key, "finished") if r["host"] == ws.hostname(victim)]
+            assert [r["accepted"] for r in stale] == [False]
+        final = committed(combo, key)
+        assert final is not None and final["token"] == second["token"]
+        assert len(runs(combo, key)) == 2
+
+
+def test_task_longer_than_visibility_timeout_runs_once(
+    request: pytest.FixtureRequest, redis_srv: RedisServer, tmp_path: Path,
+) -> None:
+    combo = make_combo(request, redis_srv, "redis", "redis", "prefork")
+    combo.extra_env["CRAWL_T_VT"] = "2"
+    key = combo.ns
+    with workers(combo, tmp_path) as ws:
+        ws.start("a", wait=False)
+        ws.start("b", wait=False)
+        ws.wait_ready("a")
+        ws.wait_ready("b")
+        send(combo, key, 6.0)  # three visibility timeouts; kombu sweeps every second
+        wait_until(lambda: runs(combo, key, "finished"), 30, what="the task finished")
+        assert len(runs(combo, key)) == 1, runs(combo, key)
+        assert committed(combo, key) is not None
+
+
+def test_prefetched_tasks_of_a_dead_worker_are_recovered(
+    request: pytest.FixtureRequest, redis_srv: RedisServer, tmp_path: Path,
+) -> None:
+    combo = make_combo(request, redis_srv, "redis", "redis", "prefork")
+    keys = [f"{combo.ns}-{i}" for i in range(3)]
+    broker = redis_srv.client(1)
+    with workers(combo, tmp_path) as ws:
+        ws.start("a")
+        send(combo, keys[0], 3.0)
+        wait_until(lambda: runs(combo, keys[0]), 30, what="the long task started")
+        send(combo, keys[1], 0.2)
+        send(combo, keys[2], 0.2)
+        # Both short ones are reserved by a (prefetched: off the queue, unacked), not started.
+        wait_until(lambda: broker.llen(combo.queue) == 0 and broker.hlen("unacked") >= 3, 15,
+                   what="the worker prefetched the short tasks")
+        assert not runs(combo, keys[1]) and not runs(combo, keys[2])
+        ws.start("b")
+        ws.procs["a"].kill9()
+        for k in keys[1:]:
+            wait_until(lambda k=k: runs(combo, k, "finished"), BOUND_S + 10,
+                       what=f"prefetched {k} ran elsewhere")
+        wait_until(lambda: len(runs(combo, keys[0])) == 2, BOUND_S + 10,
+                   what="the long task restarted elsewhere")
+        for k in keys[1:]:
+            assert len(runs(combo, k)) == 1
+    broker.close()
+
+
+def test_store_unreachable_longer_than_ttl(
+    redis_srv: RedisServer, fresh_redis_aof: RedisServer, tmp_path: Path,
+) -> None:
+    combo = Combo(broker=redis_srv.url_db(1), backend=redis_srv.url_db(2),
+                  lease=fresh_redis_aof.url_db(0), sink=redis_srv.url_db(3), pool="prefork")
+    key, later = f"{combo.ns}-a", f"{combo.ns}-b"
+    with workers(combo, tmp_path) as ws:
+        proc = ws.start("a")
+        send(combo, key, 6.0)
+        first = wait_until(lambda: runs(combo, key), 30, what="task started")[0]
+        fresh_redis_aof.stop()
+        try:
+            wait_until(lambda: "worker lease lost" in proc.log(), 3 * TTL_S + 10,
+                       what="lease loss noticed")
+            wait_until(lambda: "not consuming tasks" in proc.log(), 10, what="consumption stop")
+            assert "cancelled 1 running" in proc.log()
+            send(combo, later, 0.2)
+            # Fails closed: nothing runs while no lease is held (checked once the store is
+            # back: the later task starts only after the new lease).
+        finally:
+            fresh_redis_aof.start()
+        wait_until(lambda: "consuming again" in proc.log(), 3 * TTL_S + 10,
+                   what="new lease after the outage")
+        wait_until(lambda: runs(combo, later, "finished"), 30, what="the later task ran")
+        reruns = wait_until(lambda: len(runs(combo, key)) >= 2 and runs(combo, key), 30,
+                            what="the cancelled task ran again")
+        assert reruns[1]["token"] > first["token"]
+        assert len(runs(combo, later)) == 1
+
+
+def test_poison_message_ends_as_failure(
+    request: pytest.FixtureRequest, redis_srv: RedisServer, tmp_path: Path,
+) -> None:
+    combo = make_combo(request, redis_srv, "redis", "redis", "prefork")
+    combo.extra_env["CRAWL_T_MAX_DELIVERIES"] = "2"
+    key = combo.ns
+    with workers(combo, tmp_path) as ws:
+        ws.start("a")
+        task_id = send(combo, key, 0, task="crawltest.die")
+        client = combo.app()
+        try:
+            result = client.AsyncResult(task_id)
+            wait_until(lambda: result.state == "FAILURE", 60, what="poison FAILURE stored")
+            assert "PoisonMessage" in str(type(result.result).__name__) or "delivered 2 times" in (
+                str(result.result))
+        finally:
+            client.close()
+        assert len(runs(combo, key)) == 1
+        assert "poison message" in ws.procs["a"].log()
