@@ -417,7 +417,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             stored = backend.client.hget(backend.fence_key(task_id), "token")
             token = int(stored) if stored not in (None, b"") else None
         tok = "" if token is None else str(token)
-        exc = PoisonedTask(reason)
+        exc = _poison_error(reason)
         self.push_request(id=task_id, args=args, kwargs=kwargs, called_directly=False,
                           crawl_claim_token=token, hostname=hostname)
         outcome: str | None = None
@@ -437,6 +437,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
                           crawl_claim_token=token, crawl_rollback=outcome, hostname=hostname)
         backend.mark_as_failure(task_id, exc, request=request)
         return outcome
+
+
+def _poison_error(reason: str) -> CrawlError:
+    """The worker plugin's ``PoisonMessage`` when it is installed (one name for one failure)."""
+    try:
+        from .worker.claims import PoisonMessage
+    except ImportError:
+        return PoisonedTask(reason)
+    return PoisonMessage(reason)
 
 
 def _outcome_label(status: str) -> str:
