@@ -26,7 +26,7 @@ __all__ = ["app_schedule", "register"]
 
 def _fmt_local(instant: datetime, spec: EntrySpec) -> str:
     local = instant.astimezone(spec.schedule.tz)
-    return f"{local:%Y-%m-%d %H:%M:%S%z} {local.tzname()}"
+    return f"{local:%Y-%m-%d %H:%M:%S %z} {local.tzname()}"
 
 
 def _fmt_utc(instant: datetime) -> str:
@@ -139,7 +139,7 @@ def check(paths: tuple[str, ...], count: int) -> None:
             click.echo(f"{name}  ({spec.source})  -> {spec.task}")
             click.echo(f"  {_describe(spec)}")
             for _slot, fire in _fires(spec, now, count):
-                click.echo(f"    {_fmt_local(fire, spec):<34} {_fmt_utc(fire)}")
+                click.echo(f"    {_fmt_local(fire, spec):<35} {_fmt_utc(fire)}")
     except CrawlError as exc:  # a defect guard: the loader reports, it should not raise
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
@@ -167,14 +167,17 @@ def next_(ctx: click.Context, name: str, count: int) -> None:
         if bad:
             _print_errors(bad)
         sys.exit(1)
+    if result.errors:
+        click.echo(f"warning: the app's schedule has {len(result.errors)} error(s); "
+                   "see `celery crawl schedules check`", err=True)
     namespace = app.conf.get("crawl_namespace") or getattr(app, "main", None) or "celery_crawl"
     click.echo(f"{name}  ({spec.source})  -> {spec.task}")
     click.echo(f"  {_describe(spec)}")
-    click.echo(f"    {'fire (' + spec.schedule.zone_name + ')':<34} {'fire (UTC)':<21} "
+    click.echo(f"    {'fire (' + spec.schedule.zone_name + ')':<35} {'fire (UTC)':<21} "
                f"{'slot (UTC)':<21} task id")
     try:
         for slot, fire in _fires(spec, _now(), count):
-            click.echo(f"    {_fmt_local(fire, spec):<34} {_fmt_utc(fire):<21} "
+            click.echo(f"    {_fmt_local(fire, spec):<35} {_fmt_utc(fire):<21} "
                        f"{_fmt_utc(slot):<21} {task_id_for(namespace, name, slot)}")
     except CrawlError as exc:
         click.echo(f"error: {exc}", err=True)
