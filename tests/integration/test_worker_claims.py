@@ -1,0 +1,111 @@
+"""The worker's lease keeper, claim decisions and reaper against real Redis and etcd stores.
+
+No Celery processes here: these pin the store-side behaviour the system tests rely on, cheaply.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+
+from celery_crawl import keys  # noqa: E402
+from celery_crawl.leases import open_store  # noqa: E402
+from celery_crawl.leases.base import LeaseStore  # noqa: E402
+from celery_crawl.worker.broker import AmqpBroker  # noqa: E402
+from celery_crawl.worker.claims import Claimer, Held, Outcome, deliveries_key  # noqa: E402
+from celery_crawl.worker.guards import check_memory, check_pool  # noqa: E402
+from celery_crawl.worker.keeper import Keeper  # noqa: E402
+from celery_crawl.worker.reaper import Reaper  # noqa: E402
+from tests.servers import EtcdServer, RedisServer  # noqa: E402
+
+
+@pytest.fixture(params=["redis", "etcd"])
+def store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
+    import uuid
+
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        url = server.url
+    else:
+        etcd: EtcdServer = request.getfixturevalue("etcd_server")
+        url = etcd.url
+    s = open_store(url, namespace=f"wc{uuid.uuid4().hex[:8]}", timeout_s=2.0)
+    yield s
+    s.close()
+
+
+def test_1000_claims_renewed_with_one_round_trip(store: LeaseStore) -> None:
+    keeper = Keeper(store, ttl_s=3.0)
+    lease = keeper.acquire_blocking(5)
+    items = [(keys.task_claim(f"t{i}"), {"delivery_tag": f"tag{i}", "deliveries": 1})
+             for i in range(1000)]
+    for start in range(0, 1000, 100):
+        tokens = store.claim_many(lease, items[start:start + 100])
+        assert all(tokens)
+    for _ in range(3):
+        before = store.round_trips
+        keeper._next_renew = 0.0
+        keeper.tick()
+        assert store.round_trips - before == 1
+    assert keeper.renew_ok == 3
+    assert len(store.claims_of(lease.name)) == 1000
+    keeper.stop(release=True)
+
+
+def test_decisions_park_duplicate_poison(store: LeaseStore) -> None:
+    a, b = Keeper(store, ttl_s=3.0), Keeper(store, ttl_s=3.0)
+    a.acquire_blocking(5)
+    b.acquire_blocking(5)
+    ca = Claimer(store, lambda: a.lease, max_deliveries=3, done_ttl_s=60)
+    cb = Claimer(store, lambda: b.lease, max_deliveries=3, done_ttl_s=60)
+    first = ca.decide("t1", delivery_tag="x1", queue="q")
+    assert first.outcome is Outcome.RUN and first.token and first.deliveries == 1
+    parked = cb.decide("t1", delivery_tag="x2", queue="q")
+    assert parked.outcome is Outcome.PARK and parked.holder == a.holder
+    held = Held(task_id="t1", delivery_tag="x1", queue="q", deliveries=1, token=first.token,
+                lease_name=a.lease.name if a.lease else None, holder=a.holder)
+    ca.finish(held, state="done")
+    assert store.claimant(keys.task_claim("t1")) is None
+    assert cb.decide("t1", delivery_tag="x2", queue="q").outcome is Outcome.DUPLICATE
+    # A retry of the same id carries more retries and runs.
+    assert cb.decide("t1", delivery_tag="x3", queue="q", retries=1).outcome is Outcome.RUN
+    # Requeued twice (its child died): the third delivery is poison.
+    store.put(deliveries_key("t2"), {"n": 2}, ttl_s=60)
+    assert ca.decide("t2", delivery_tag="y", queue="q").outcome is Outcome.POISON
+    a.stop()
+    b.stop()
+
+
+def test_reaper_drops_orphans_of_a_dead_lease(store: LeaseStore) -> None:
+    dead, alive = Keeper(store, ttl_s=3.0), Keeper(store, ttl_s=3.0)
+    lease = dead.acquire_blocking(5)
+    alive.acquire_blocking(5)
+    store.claim_many(lease, [(keys.task_claim("r1"), {"delivery_tag": "d1", "deliveries": 1}),
+                             (keys.task_claim("r2"), {"delivery_tag": "d2", "deliveries": 2})])
+    dead.stop(release=True)  # as if its lease expired
+    reaper = Reaper(store, AmqpBroker(), holder=lambda: alive.holder, ttl_s=3.0,
+                    interval_s=0.0, done_ttl_s=60)
+    reaper()
+    assert reaper.leading and reaper.recovered == 2
+    assert store.claimant(keys.task_claim("r1")) is None
+    assert store.get(deliveries_key("r2")) is not None
+    assert store.get(deliveries_key("r2"))["n"] == 2  # type: ignore[index]
+    reaper.release()
+    alive.stop()
+
+
+def test_guards() -> None:
+    from celery_crawl.errors import UnsupportedSetup
+
+    assert check_pool("prefork") == "prefork"
+    assert check_pool("threads") == "threads"
+    for bad in ("solo", "gevent", "eventlet"):
+        with pytest.raises(UnsupportedSetup, match=bad):
+            check_pool(bad)
+    with pytest.raises(UnsupportedSetup, match="crawl_min_memory"):
+        check_memory(2 * 1024**3, None, limit_bytes=1024**3)
+    assert check_memory(None, 200_000, limit_bytes=1024**3) == 1024**3

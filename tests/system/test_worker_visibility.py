@@ -1,0 +1,131 @@
+"""What operators and tasks see: the claim token in the task, duplicates parked then dropped,
+``inspect stats`` / ``crawl_leases`` / Flower's ``/api/workers``, and refused setups."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.procs import CELERY, Proc, celery_args
+from tests.servers import RedisServer, free_port, wait_until
+from tests.system.workerapp_harness import APP, Combo, Workers, runs, send, workers
+
+pytestmark = [pytest.mark.system]
+
+
+@pytest.fixture(scope="module")
+def redis_srv() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def running(redis_srv: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+    tuple[Combo, Workers]
+]:
+    """Two prefork workers shared by the tests of this module."""
+    combo = Combo(broker=redis_srv.url_db(1), backend=redis_srv.url_db(2),
+                  lease=redis_srv.url_db(0), sink=redis_srv.url_db(3))
+    with workers(combo, tmp_path_factory.mktemp("vis")) as ws:
+        ws.start("a", wait=False)
+        ws.start("b", wait=False)
+        ws.wait_ready("a")
+        ws.wait_ready("b")
+        yield combo, ws
+
+
+def test_task_sees_its_claim_token_and_a_forged_header_does_not_survive(
+    running: tuple[Combo, Workers],
+) -> None:
+    combo, _ws = running
+    key = f"{combo.ns}-forged"
+    client = combo.app()
+    try:
+        client.send_task("crawltest.work", args=[key, 0.0], queue=combo.queue,
+                         headers={"crawl_claim_token": 10**18})
+    finally:
+        client.close()
+    done = wait_until(lambda: runs(combo, key, "finished"), 30, what="task finished")[0]
+    assert done["token"] is not None and done["token"] < 10**18
+    assert done["header"] == done["token"]
+
+
+def test_duplicate_delivery_is_parked_then_dropped(running: tuple[Combo, Workers]) -> None:
+    combo, ws = running
+    key = f"{combo.ns}-dup"
+    task_id = str(uuid.uuid4())
+    send(combo, key, 2.0, task_id=task_id)
+    wait_until(lambda: runs(combo, key), 30, what="first run started")
+    send(combo, key, 2.0, task_id=task_id)  # the same id again, e.g. a re-sent beat run
+    wait_until(lambda: "parked (not run, not acked)" in ws.logs(), 15, what="duplicate parked")
+    wait_until(lambda: "as a duplicate" in ws.logs(), 30, what="duplicate dropped")
+    assert len(runs(combo, key)) == 1
+    assert len(runs(combo, key, "finished")) == 1
+
+
+def test_inspect_stats_crawl_leases_and_flower(
+    running: tuple[Combo, Workers], tmp_path: Path,
+) -> None:
+    combo, ws = running
+    client = combo.app()
+    try:
+        stats = wait_until(lambda: client.control.inspect(timeout=3).stats(), 20,
+                           what="inspect stats")
+        leases = wait_until(
+            lambda: client.control.broadcast("crawl_leases", reply=True, timeout=3), 20,
+            what="crawl_leases replies")
+    finally:
+        client.close()
+    for name in ("a", "b"):
+        info = stats[ws.hostname(name)]["crawl_lease"]
+        assert info["holder"] and info["token"] and info["time_left_s"] > 0
+        assert info["renew_success_rate"] in (None, 1.0)
+        assert info["claims"] == 0 and info["consuming"] is True
+    replies = {k: v for reply in leases for k, v in reply.items()}
+    assert set(replies) == {ws.hostname("a"), ws.hostname("b")}
+    assert all("claimed" in r and r["holder"] for r in replies.values())
+
+    port = free_port()
+    flower = Proc(celery_args(APP, "flower", f"--port={port}", "--address=127.0.0.1"),
+                  env={**combo.env(), "FLOWER_UNAUTHENTICATED_API": "true"},
+                  log_path=tmp_path / "flower.log")
+    try:
+        def workers_api() -> dict | None:
+            r = httpx.get(f"http://127.0.0.1:{port}/api/workers", params={"refresh": "1"},
+                          timeout=10)
+            body = r.json() if r.status_code == 200 else {}
+            ok = all("crawl_lease" in (body.get(ws.hostname(n), {}).get("stats") or {})
+                     for n in ("a", "b"))
+            return body if ok else None
+
+        body = wait_until(workers_api, 60, interval_s=0.5, what="flower /api/workers")
+        lease = body[ws.hostname("a")]["stats"]["crawl_lease"]
+        assert {"holder", "token", "time_left_s", "claims", "renew_success_rate"} <= set(lease)
+    finally:
+        flower.stop(grace_s=2)
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (("-P", "solo"), "'solo' pool is not supported"),
+    (("-B",), "embedded beat"),
+])
+def test_unsupported_setups_refused_at_start(
+    redis_srv: RedisServer, tmp_path: Path, extra: tuple[str, ...], needle: str,
+) -> None:
+    combo = Combo(broker=redis_srv.url_db(1), backend=redis_srv.url_db(2),
+                  lease=redis_srv.url_db(0), sink=redis_srv.url_db(3))
+    args = [CELERY, "-A", APP, "worker", "--without-mingle", "--without-gossip", "-c", "1",
+            "-Q", combo.queue, *extra]
+    env = {**os.environ, **combo.env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run(args, env=env, capture_output=True, timeout=60, start_new_session=True,
+                         cwd=str(Path(__file__).resolve().parents[2]))
+    text = (out.stdout + out.stderr).decode(errors="replace")
+    assert out.returncode != 0, text[-2000:]
+    assert needle in text, text[-2000:]
