@@ -12,15 +12,15 @@ import pytest
 
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
-from celery_crawl import keys  # noqa: E402
-from celery_crawl.leases import open_store  # noqa: E402
-from celery_crawl.leases.base import LeaseStore  # noqa: E402
-from celery_crawl.worker.broker import AmqpBroker  # noqa: E402
-from celery_crawl.worker.claims import Claimer, Held, Outcome, deliveries_key  # noqa: E402
-from celery_crawl.worker.guards import check_memory, check_pool  # noqa: E402
-from celery_crawl.worker.keeper import Keeper  # noqa: E402
-from celery_crawl.worker.reaper import Reaper  # noqa: E402
-from tests.servers import EtcdServer, RedisServer  # noqa: E402
+from celery_crawl import keys
+from celery_crawl.leases import open_store
+from celery_crawl.leases.base import LeaseStore
+from celery_crawl.worker.broker import AmqpBroker
+from celery_crawl.worker.claims import Claimer, Held, Outcome, deliveries_key
+from celery_crawl.worker.guards import check_memory, check_pool
+from celery_crawl.worker.keeper import Keeper
+from celery_crawl.worker.reaper import Reaper
+from tests.servers import EtcdServer, RedisServer
 
 
 @pytest.fixture(params=["redis", "etcd"])

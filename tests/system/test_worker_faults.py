@@ -4,7 +4,6 @@ of a dead worker, the lease store unreachable for longer than the TTL, a poison 
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,7 +51,7 @@ def test_sigstop_beyond_ttl_is_cancelled_and_fenced(
                 BOUND_S + 15, what="the survivor finished the task")
         finally:
             ws.procs[victim].signal_group(signal.SIGCONT)
-        second = [r for r in runs(combo, key) if r["host"] == ws.hostname(survivor)][0]
+        second = next(r for r in runs(combo, key) if r["host"] == ws.hostname(survivor))
         assert second["token"] > first["token"]
         assert done[0]["accepted"]
         victim_proc = ws.procs[victim]
