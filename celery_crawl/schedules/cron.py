@@ -8,6 +8,7 @@ iterating naive datetimes. Mapping wall times to real instants (and the DST rule
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from datetime import datetime
 
@@ -15,7 +16,7 @@ from croniter import CroniterError, croniter
 
 from ..errors import ScheduleError
 
-__all__ = ["ALIASES", "CronExpr"]
+__all__ = ["ALIASES", "CronExpr", "cron_expr"]
 
 #: The ``@`` shorthands, expanded here rather than by croniter because croniter turns them into
 #: hashed (``H``) expressions whenever a hash id is given, which would silently move an entry's
@@ -124,6 +125,24 @@ class CronExpr:
 
     def __repr__(self) -> str:
         return f"CronExpr({self.expr!r})"
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached(expr: str, hash_id: str | None) -> CronExpr:
+    return CronExpr(expr, hash_id=hash_id)
+
+
+def cron_expr(expr: object, *, hash_id: str | None = None) -> CronExpr:
+    """A shared :class:`CronExpr` (they are immutable): fleets reuse a few expressions, and
+    parsing is most of the cost of building a schedule.
+
+    Raises:
+        ScheduleError: as :class:`CronExpr` does.
+    """
+    if not isinstance(expr, str):
+        return CronExpr(expr, hash_id=hash_id)
+    # The hash id only matters when the expression can contain an 'H'.
+    return _cached(expr, hash_id if "H" in expr.upper() else None)
 
 
 def _normalize_field(field: str) -> str:

@@ -20,7 +20,7 @@ from celery.schedules import BaseSchedule, schedstate
 
 from ..durations import parse_duration
 from ..errors import ConfigError, ScheduleError
-from .cron import CronExpr
+from .cron import cron_expr
 from .jitter import jitter_offset_s
 from .slots import SlotRule
 from .zones import load_zone
@@ -88,7 +88,7 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         if name is not None and (not isinstance(name, str) or not name):
             raise ScheduleError(f"name: expected a non-empty string, got {name!r}")
         self._name = name
-        self._cron = CronExpr(expr, hash_id=name)
+        self._cron = cron_expr(expr, hash_id=name)
         self._zone = load_zone(tz)
         self._rule = SlotRule(self._cron, self._zone, gap=gap, fold=fold)
         self._jitter_s = _jitter_s(jitter)
@@ -166,23 +166,28 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         slot after ``a``.
 
         A slot's fire never reaches the next slot, so among slots at or before ``a`` only the
-        last can still fire after ``a``. It is found by looking back 1 s, 2 s, 4 s ... (capped
-        at ``jitter``): a handful of ``next_slot`` calls even when the jitter spans thousands of
-        slots.
+        last can still fire after ``a``. When several slots fit in the jitter, the last is found
+        by looking back one slot interval from ``a``, then twice as far, and so on: a handful of
+        ``next_slot`` calls even when the jitter spans thousands of slots.
         """
-        look_back_s = 1.0
-        while True:
+        slot = self._rule.next_slot(a - timedelta(seconds=self._jitter_s))
+        if slot > a:  # the usual case: no slot within the jitter before ``a``
+            return None, slot
+        following = self._rule.next_slot(slot)
+        # Slots are usually evenly spaced: look back one interval first, then twice as far.
+        look_back_s = max(1.0, (following - slot).total_seconds())
+        while following <= a:
+            # Several slots fit in the jitter: jump close to ``a`` instead of stepping.
             span_s = min(look_back_s, self._jitter_s)
-            slot = self._rule.next_slot(a - timedelta(seconds=span_s))
-            if slot <= a:
-                while True:
-                    following = self._rule.next_slot(slot)
-                    if following > a:
-                        return slot, following
-                    slot = following
-            if span_s >= self._jitter_s:
-                return None, slot
+            probe = self._rule.next_slot(a - timedelta(seconds=span_s))
+            if probe <= a:
+                slot = max(slot, probe)
+                following = self._rule.next_slot(slot)
+                while following <= a:
+                    slot, following = following, self._rule.next_slot(following)
+                break
             look_back_s *= 2
+        return slot, following
 
     def _fire_between(self, slot: datetime, following: datetime) -> datetime:
         room_s = (following - slot).total_seconds()
