@@ -2,11 +2,13 @@
 
 Idempotency: a task's key (``idempotency_key``; by default its task id) may run once. A key whose
 run reached a ready state replays that outcome without running again (returns the result, or
-re-raises the stored failure); a key running elsewhere is not run concurrently: a second delivery
-of the *same task id* is dropped (``Ignore``: the running copy will store the result), another
-task id holding the same key is retried later (``self.retry`` with a countdown, not counted
-against ``max_retries``). The bookkeeping lives on the result backend's Redis
-(``celery_crawl.backends.ledger``), which must be ``AuditedRedisBackend``.
+re-raises the stored failure; a late duplicate of the same task id is dropped with ``Ignore``);
+a key running elsewhere is not run concurrently: the delivery is retried later (``self.retry``,
+not counted against ``max_retries``) - after the heartbeat TTL for a second delivery of the same
+task id (by then the other copy has finished or is known dead), after
+``idempotency_busy_countdown_s`` for another task id holding the key. The bookkeeping lives on
+the result backend's Redis (``celery_crawl.backends.ledger``), which must be
+``AuditedRedisBackend``.
 
 Rollback: ``rollback(self, exc, task_id, args, kwargs)`` completes at most once per
 (key, claim token), after a final failure (not on retries) or when the run was fenced (a newer
@@ -344,8 +346,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 request.crawl_rollback = outcome
             raise exc
         if kind == "duplicate":
-            logger.info("task %s: already running elsewhere; dropping this delivery", request.id)
-            raise Ignore()
+            # Not dropped: the copy running elsewhere may be dead with its heartbeat not yet
+            # lapsed. Come back once it would have lapsed; by then it has finished (replay)
+            # or is known dead (take over).
+            logger.info("task %s: already running elsewhere; retrying this delivery later",
+                        request.id)
+            raise self.retry(countdown=ledger.heartbeat_ttl_ms / 1000.0, max_retries=math.inf)
         # busy: another task id holds the key and is alive.
         raise self.retry(countdown=self.idempotency_busy_countdown_s, max_retries=math.inf)
 
