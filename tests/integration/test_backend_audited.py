@@ -272,3 +272,27 @@ def test_writes_follow_the_precedence_and_fencing_rules(redis_server, writes) ->
         assert status(b, tid) == (stored[0] if stored else "PENDING")
     # Every attempt differs in value, so every one is audited, written or refused.
     assert sum(1 for r in iter_records(b) if r.task == tid) == len(writes)
+
+
+def test_results_written_by_a_stock_backend_are_respected(redis_server) -> None:
+    url = f"127.0.0.1:{redis_server.port}/0"
+    stock = make_app(f"redis://{url}").backend
+    ours = make_app(f"crawlredis://{url}").backend
+    tid = str(uuid.uuid4())
+    stock.store_result(tid, "stock", states.SUCCESS)
+    ours.store_result(tid, None, states.STARTED, request=req(None))
+    assert ours.get_task_meta(tid, cache=False)["result"] == "stock"
+    assert outcomes(ours, tid) == [("STARTED", "refused-regression")]
+
+
+def test_digest_survives_rich_json_values(backend) -> None:
+    import datetime
+    import decimal
+
+    tid = str(uuid.uuid4())
+    value = {"when": datetime.datetime(2026, 1, 31, 2, 15, tzinfo=datetime.UTC),
+             "price": decimal.Decimal("19.90"), "id": uuid.UUID(int=7), "tags": ("a", "b"),
+             "nested": [{"x": 1.5e-7, "y": None, "z": "中文"}]}
+    backend.store_result(tid, value, states.SUCCESS, request=req(None))
+    raw = backend.client.get(backend.get_key_for_task(tid))
+    assert backend.stored_digest(raw) == history(backend, tid)[-1].digest
