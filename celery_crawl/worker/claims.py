@@ -76,12 +76,14 @@ class Decision:
         token: the claim token (RUN and POISON).
         deliveries: the delivery count of this delivery (1 for a first delivery).
         holder: the holder of the live claim that made us park (PARK).
+        recovered_at: UNIX time the reaper returned this task to its queue, if it did (RUN).
     """
 
     outcome: Outcome
     token: int | None = None
     deliveries: int = 1
     holder: str | None = None
+    recovered_at: float | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -237,7 +239,10 @@ class Claimer:
                             deliveries=max(prior, _int(current.value.get("deliveries"))))
         if deliveries >= self.max_deliveries:
             return Decision(Outcome.POISON, token=token, deliveries=deliveries)
-        return Decision(Outcome.RUN, token=token, deliveries=deliveries)
+        recovered = (seen or {}).get("recovered_at")
+        return Decision(Outcome.RUN, token=token, deliveries=deliveries,
+                        recovered_at=float(recovered) if isinstance(recovered, int | float)
+                        else None)
 
     def finish(self, held: Held, *, state: str, requeue: bool = False) -> None:
         """Record the end of a claimed delivery.

@@ -18,6 +18,7 @@ import inspect
 import logging
 import signal as _signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -133,6 +134,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self._closed = True
         if self.keeper is not None:
             self._drain_backlog()
+            self._forget_unstarted(everything=True)
             self.keeper.stop(release=True)
         if self.reaper is not None:
             self.reaper.release()
@@ -154,6 +156,10 @@ class LeaseStep(bootsteps.StartStopStep):
     # -- consumer attach/detach (ClaimStep) ------------------------------------------------
     def attach(self, c: Any) -> None:
         """Wrap every task strategy of a (re)started consumer and start re-checking parked."""
+        if self.consumer is not None:
+            # A reconnection: Celery dropped the reserved requests of the old channel (the broker
+            # redelivers them), so their claims must go too or the copies would park forever.
+            self._forget_unstarted(everything=False)
         self.consumer = c
         for name in list(c.strategies):
             c.strategies[name] = self._wrap(name, c.strategies[name])
@@ -163,6 +169,35 @@ class LeaseStep(bootsteps.StartStopStep):
             self.config.on_lease_loss == "cancel"
         ):
             self._stop_consuming(c, "no worker lease held")
+
+    def _forget_unstarted(self, *, everything: bool) -> None:
+        """Drop the claims of deliveries that will not run here (no tombstone: they run again).
+
+        ``everything``: at worker shutdown, after the pool finished, every remaining hold.
+        Otherwise (after a reconnection) only those Celery no longer tracks as active or queued
+        in a pool that will still run them.
+        """
+        assert self.claimer is not None
+        for held in self.book.snapshot():
+            if not everything and not held.parked and self._will_run(held):
+                continue
+            self.book.pop(held.delivery_tag)
+            if not held.parked and held.token is not None:
+                with contextlib.suppress(StoreError, LeaseLost):
+                    self.claimer.drop(held)
+        metrics.WORKER_CLAIMS.set(len(self.book))
+
+    def _will_run(self, held: Held) -> bool:
+        req = worker_state.requests.get(held.task_id)
+        if req is None or getattr(req, "_message", None) is not held.message:
+            return False
+        if req in worker_state.active_requests or req.time_start:
+            return True
+        if self.pool_name == "threads" and req._apply_result is not None:
+            result = req._apply_result()
+            future = getattr(result, "f", None)
+            return future is not None and not future.done()
+        return False
 
     def detach(self, c: Any) -> None:
         entry = getattr(c, "_crawl_recheck", None)
@@ -241,6 +276,11 @@ class LeaseStep(bootsteps.StartStopStep):
             self.book.add(held)
             if not first:
                 metrics.WORKER_DUPLICATES_PARKED.labels("run").inc()
+                # RabbitMQ redelivers at once: time parked ~ time since the claimant died.
+                metrics.WORKER_PREEMPTION_LATENCY.observe(time.monotonic() - held.since)
+            elif decision.recovered_at is not None:
+                metrics.WORKER_PREEMPTION_LATENCY.observe(
+                    max(0.0, time.time() - decision.recovered_at))
             if outcome is Outcome.POISON:
                 self._poison(held)
             else:
