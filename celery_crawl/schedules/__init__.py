@@ -5,6 +5,7 @@ Public names::
     TzCron                 a celery BaseSchedule: cron + zone + gap/fold policy + jitter
     EntrySpec              one validated schedule entry
     load_schedule_files    TOML schedule files -> LoadResult (good entries + every error)
+    load_app_schedule      an app's files (crawl_schedule_paths) + TzCron beat_schedule entries
     task_id_for            the deterministic task id of a run (entry, slot)
     DueHeap                next due entry among many, O(log n)
 """
@@ -17,6 +18,7 @@ from .files import (
     MAX_FILE_BYTES,
     LoadResult,
     check_duplicates_with_beat_schedule,
+    load_app_schedule,
     load_schedule_files,
     parse_schedule_text,
 )
@@ -39,6 +41,7 @@ __all__ = [
     "TzCron",
     "check_duplicates_with_beat_schedule",
     "format_slot",
+    "load_app_schedule",
     "load_schedule_files",
     "parse_schedule_text",
     "task_id_for",

@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import click
 
-from ..config import DEFAULTS
 from ..errors import CrawlError, ScheduleFileError
 from .entry import EntrySpec
-from .files import LoadResult, check_duplicates_with_beat_schedule, load_schedule_files
+from .files import load_app_schedule, load_schedule_files
 from .ids import task_id_for
-from .tzcron import TzCron
 
-__all__ = ["app_schedule", "register"]
+__all__ = ["register"]
 
 
 def _fmt_local(instant: datetime, spec: EntrySpec) -> str:
@@ -87,37 +84,6 @@ def _app(ctx: click.Context) -> Any:
     return app
 
 
-def app_schedule(app: Any, *, base_dir: str = ".") -> LoadResult:
-    """The app's whole schedule: its schedule files plus ``TzCron`` entries of ``beat_schedule``.
-
-    File entries that clash with a ``beat_schedule`` name are reported and dropped (the
-    ``beat_schedule`` definition is kept). Never raises for bad input.
-    """
-    paths = app.conf.get("crawl_schedule_paths", DEFAULTS["crawl_schedule_paths"])
-    if isinstance(paths, str):
-        paths = [paths]
-    result = load_schedule_files(list(paths or []), base_dir=base_dir)
-    beat_schedule: Mapping[str, Any] = app.conf.get("beat_schedule") or {}
-    dups = check_duplicates_with_beat_schedule(result, beat_schedule)
-    result.errors.extend(dups)
-    for error in dups:
-        if error.entry is not None:
-            result.entries.pop(error.entry, None)
-            result.sources.pop(error.entry, None)
-    for name, entry in beat_schedule.items():
-        schedule = entry.get("schedule") if isinstance(entry, Mapping) else None
-        if isinstance(schedule, TzCron):
-            opts = dict(entry.get("options") or {})
-            result.entries[name] = EntrySpec(
-                name=name, task=str(entry.get("task")), schedule=schedule,
-                args=tuple(entry.get("args") or ()), kwargs=dict(entry.get("kwargs") or {}),
-                queue=opts.get("queue"), expires_s=opts.get("expires"),
-                priority=opts.get("priority"), source="beat_schedule",
-            )
-            result.sources[name] = "beat_schedule"
-    return result
-
-
 @click.group(name="schedules", help="Validate and preview schedule files.")
 def schedules() -> None:
     """The ``crawl schedules`` group."""
@@ -158,8 +124,14 @@ def check(paths: tuple[str, ...], count: int) -> None:
 def next_(ctx: click.Context, name: str, count: int) -> None:
     """Show the next fires of one entry of the app's schedule (files and beat_schedule)."""
     app = _app(ctx)
-    result = app_schedule(app)
+    result = load_app_schedule(app)
     spec = result.entries.get(name)
+    other = (app.conf.get("beat_schedule") or {}).get(name)
+    if spec is None and other is not None:
+        schedule = other.get("schedule") if isinstance(other, dict) else other
+        click.echo(f"error: entry {name!r} in beat_schedule has schedule {schedule!r}, not a "
+                   "TzCron; `crawl next` shows TzCron entries and schedule files", err=True)
+        sys.exit(1)
     if spec is None:
         known = ", ".join(sorted(result.entries)) or "none"
         click.echo(f"error: no entry {name!r} in the app's schedule (known: {known})", err=True)

@@ -31,6 +31,7 @@ from datetime import date, time
 from pathlib import Path
 from typing import Any
 
+from ..config import DEFAULTS
 from ..durations import parse_duration
 from ..errors import ConfigError, ScheduleError, ScheduleFileError
 from .cron import CronExpr
@@ -43,6 +44,7 @@ __all__ = [
     "MAX_FILE_BYTES",
     "LoadResult",
     "check_duplicates_with_beat_schedule",
+    "load_app_schedule",
     "load_schedule_files",
     "parse_schedule_text",
 ]
@@ -476,3 +478,51 @@ def check_duplicates_with_beat_schedule(
                 )
             )
     return errors
+
+
+def load_app_schedule(app: Any, *, base_dir: str | Path = ".") -> LoadResult:
+    """A Celery app's whole TzCron schedule: its files plus ``TzCron`` entries of
+    ``beat_schedule``.
+
+    Files come from ``crawl_schedule_paths`` (default ``beat_schedules/*.toml``), relative to
+    ``base_dir``. A file entry whose name is also in ``beat_schedule`` is reported and dropped:
+    the ``beat_schedule`` definition is kept. ``beat_schedule`` entries with another schedule
+    type (``crontab``, intervals) are left to Celery and not included. Never raises for bad
+    input.
+    """
+    paths = app.conf.get("crawl_schedule_paths", DEFAULTS["crawl_schedule_paths"])
+    if isinstance(paths, str):
+        paths = [paths]
+    if not isinstance(paths, list | tuple):
+        result = LoadResult()
+        result.errors.append(ScheduleFileError(
+            f"crawl_schedule_paths must be a list of globs, got {_tname(paths)}"))
+        return result
+    result = load_schedule_files(list(paths), base_dir=base_dir)
+    beat_schedule: Mapping[str, Any] = app.conf.get("beat_schedule") or {}
+    duplicates = check_duplicates_with_beat_schedule(result, beat_schedule)
+    result.errors.extend(duplicates)
+    for error in duplicates:
+        if error.entry is not None:
+            result.entries.pop(error.entry, None)
+            result.sources.pop(error.entry, None)
+    for name, entry in beat_schedule.items():
+        schedule = entry.get("schedule") if isinstance(entry, Mapping) else None
+        if not isinstance(schedule, TzCron):
+            continue
+        options = dict(entry.get("options") or {})
+        expires = options.get("expires")
+        priority = options.get("priority")
+        result.entries[name] = EntrySpec(
+            name=name,
+            task=str(entry.get("task")),
+            schedule=schedule,
+            args=tuple(entry.get("args") or ()),
+            kwargs=dict(entry.get("kwargs") or {}),
+            queue=options.get("queue"),
+            expires_s=float(expires) if isinstance(expires, int | float) else None,
+            priority=priority if isinstance(priority, int) else None,
+            source="beat_schedule",
+        )
+        result.sources[name] = "beat_schedule"
+    return result

@@ -146,6 +146,10 @@ def test_next_unknown_entry_and_duplicates(tmp_path):
     # the file copy of a beat_schedule name is reported; the beat_schedule copy is used
     result = run(tmp_path, "next", "code-entry", "-n", "1")
     assert result.returncode == 0 and "(beat_schedule)" in result.stdout
+    assert "1 error(s)" in result.stderr
+    # a stock interval entry is named, not crashed on
+    result = run(tmp_path, "next", "plain-interval")
+    assert result.returncode == 1 and "has schedule 3600.0, not a TzCron" in result.stderr
 
 
 def test_stock_celery_beat_runs_a_tzcron_entry(app_dir, tmp_path):

@@ -312,3 +312,26 @@ def test_fuzzed_toml_never_crashes(text):
 @given(data=st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
 def test_fuzzed_bytes_never_crash(data):
     _never_raises(data)
+
+
+def test_load_app_schedule_merges_files_and_tzcron_beat_entries(tmp_path):
+    from celery import Celery
+
+    from celery_crawl.schedules import load_app_schedule
+
+    write(tmp_path, "a.toml", ENTRY + ENTRY.replace("entries.e", "entries.code"))
+    app = Celery("x", set_as_current=False)
+    app.conf.crawl_schedule_paths = ["*.toml"]
+    app.conf.beat_schedule = {
+        "code": {"task": "t.code", "schedule": TzCron("0 5 * * *", "UTC", name="code"),
+                 "args": [1], "options": {"queue": "q", "expires": 60, "priority": 3}},
+        "stock": {"task": "t.stock", "schedule": 60.0},
+    }
+    result = load_app_schedule(app, base_dir=tmp_path)
+    assert sorted(result.entries) == ["code", "e"]
+    code = result.entries["code"]
+    assert (code.source, code.task, code.args, code.options()) == (
+        "beat_schedule", "t.code", (1,), {"queue": "q", "expires": 60.0, "priority": 3})
+    assert [(e.entry, e.file) for e in result.errors] == [("code", "a.toml")]
+    app.conf.crawl_schedule_paths = 5
+    assert "crawl_schedule_paths" in str(load_app_schedule(app, base_dir=tmp_path).errors[0])
