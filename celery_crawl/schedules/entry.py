@@ -38,6 +38,10 @@ class EntrySpec:
     paused: bool = False
     source: str = ""
 
+    def __hash__(self) -> int:
+        # The generated hash would fail on the kwargs dict; name and fingerprint identify it.
+        return hash((self.name, self.fingerprint()))
+
     def options(self) -> dict[str, Any]:
         """The publish options for ``apply_async`` (queue, expires, priority) that are set."""
         out: dict[str, Any] = {}

@@ -105,13 +105,15 @@ def _expand(patterns: Sequence[str], base: Path, result: LoadResult) -> list[Pat
         if not isinstance(pattern, str) or not pattern:
             result.errors.append(ScheduleFileError(f"not a path or glob: {pattern!r}"))
             continue
-        full = pattern if os.path.isabs(pattern) else str(base / pattern)
+        # The base directory is literal even if its name holds glob characters.
+        literal = pattern if os.path.isabs(pattern) else str(base / pattern)
+        full = pattern if os.path.isabs(pattern) else os.path.join(glob.escape(str(base)), pattern)
         if _GLOB_CHARS & set(pattern):
             matches = sorted(glob.glob(full))
-        elif os.path.isdir(full):
-            matches = sorted(glob.glob(os.path.join(glob.escape(full), "*.toml")))
-        elif os.path.exists(full):
-            matches = [full]
+        elif os.path.isdir(literal):
+            matches = sorted(glob.glob(os.path.join(glob.escape(literal), "*.toml")))
+        elif os.path.exists(literal):
+            matches = [literal]
         else:
             result.errors.append(ScheduleFileError("no such file", file=pattern))
             continue

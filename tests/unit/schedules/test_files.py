@@ -335,3 +335,11 @@ def test_load_app_schedule_merges_files_and_tzcron_beat_entries(tmp_path):
     assert [(e.entry, e.file) for e in result.errors] == [("code", "a.toml")]
     app.conf.crawl_schedule_paths = 5
     assert "crawl_schedule_paths" in str(load_app_schedule(app, base_dir=tmp_path).errors[0])
+
+
+def test_base_dir_with_glob_characters_is_literal(tmp_path):
+    base = tmp_path / "ops[prod]"
+    base.mkdir()
+    write(base, "a.toml", ENTRY)
+    result = load_schedule_files(["*.toml", "a.toml"], base_dir=base)
+    assert result.errors == [] and list(result.entries) == ["e"] and result.files == ["a.toml"]
