@@ -99,12 +99,13 @@ def flaky(self, name: str, retries: int) -> str:
 
 
 @app.task(bind=True, base=Recorded)
-def slow(self, name: str, seconds: float, fail: bool = False) -> str:
-    """Runs for ``seconds``; records its start (to test concurrent duplicate deliveries)."""
+def slow(self, name: str, seconds: float, fail: bool = False, gated: bool = False) -> str:
+    """Runs for ``seconds`` (gated: until the test sets ``gate:<name>``, at most ``seconds``);
+    records its start."""
     r = side()
     r.rpush(f"runs:{name}", self.request.id)
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (gated and r.exists(f"gate:{name}")):
         time.sleep(0.05)
     if fail:
         raise ValueError(f"{name} failed")

@@ -237,7 +237,8 @@ def test_a_frozen_run_is_fenced_and_rolls_back_its_own_effects(stack, tmp_path: 
     rescuer: Proc | None = None
     backend = tasksapp.app.backend
     try:
-        result = tasksapp.slow.apply_async((name, 2.0), task_id=task_id, queue=queue)
+        result = tasksapp.slow.apply_async((name, 60.0, False, True), task_id=task_id,
+                                           queue=queue)
         wait_until(lambda: _list(server, f"runs:{name}"), TIMEOUT_S, what="run started")
         victim.signal_group(signal.SIGSTOP)
         record = backend.idempotency_key("tasksapp", task_id)
@@ -248,6 +249,7 @@ def test_a_frozen_run_is_fenced_and_rolls_back_its_own_effects(stack, tmp_path: 
             return int(client.hget(record, "hb") or 0) < seconds * 1000 + micros // 1000
 
         wait_until(heartbeat_expired, TIMEOUT_S, what="the frozen run's heartbeat to lapse")
+        _side(server).set(f"gate:{name}", 1)  # both runs may finish their body now
         rescuer = _start_worker(server.port, tmp_path, "rescuer", concurrency=1, queues=queue)
         assert result.get(timeout=TIMEOUT_S) == f"done:{name}"
         assert len(_list(server, f"runs:{name}")) == 2
