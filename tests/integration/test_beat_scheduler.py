@@ -8,6 +8,7 @@ read back from the broker's queue list, so every assertion is about real message
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import time
 import uuid
@@ -129,7 +130,7 @@ def test_handoff_continues_without_repeating_a_slot(
     slots = [m["crawl_slot"] for m in drain(redis_server, ns)]
     assert len(slots) == len(set(slots)), slots
     stamps = sorted(datetime.fromisoformat(s.replace("Z", "+00:00")) for s in slots)
-    gaps = [(y - x).total_seconds() for x, y in zip(stamps, stamps[1:], strict=False)]
+    gaps = [(y - x).total_seconds() for x, y in itertools.pairwise(stamps)]
     store = open_store(redis_server.url_db(0), namespace=ns)
     skips = SkipLog.from_record(store.get(keys.beat_skips("tick")))
     store.close()
