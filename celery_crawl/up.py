@@ -179,6 +179,7 @@ class Fleet:
         self.metrics_ports: dict[str, int] = {}
         self._store: Any = None
         self._metrics_seen: dict[str, str] = {}
+        self._dispatched: dict[str, int] = {}
 
     # -- set-up -------------------------------------------------------------------------------
     @property
@@ -268,16 +269,26 @@ class Fleet:
             self.out.line(child.name, raw.rstrip("\n"), child.color)
 
     def _signal(self, child: _Child, sig: int) -> None:
+        """Signal a child's whole process group (SIGKILL: nothing of it may survive)."""
         if child.proc is not None and child.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.proc.pid, sig)
 
-    def _stop_child(self, child: _Child, grace_s: float) -> None:
+    def _terminate(self, child: _Child) -> None:
+        """SIGTERM to the child's main process only: a Celery worker then shuts its pool down
+        warmly (finishing running tasks); SIGTERM to the group would kill the pool processes
+        under it mid-task."""
+        if child.proc is not None and child.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child.proc.pid, signal.SIGTERM)
+
+    def _stop_child(self, child: _Child, grace_s: float, *, signalled: bool = False) -> None:
         child.stopping = True
         proc = child.proc
         if proc is None:
             return
-        self._signal(child, signal.SIGTERM)
+        if not signalled:
+            self._terminate(child)
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -359,6 +370,14 @@ class Fleet:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     beat.proc.wait(timeout=10)
             self.kills += 1
+            # Restart it only once another replica leads (or after a few TTLs), so the
+            # failover goes to the standby instead of racing the restarted process.
+            deadline = time.monotonic() + 3 * self.beat_lease_ttl_s
+            while time.monotonic() < deadline and not self.stop_event.wait(0.2):
+                with contextlib.suppress(Exception):
+                    now_held = self._leader()
+                    if now_held and now_held[0] != held[0]:  # type: ignore[index]
+                        break
             if not self.stop_event.is_set():
                 beat.restarts += 1
                 self._spawn(beat)
@@ -450,12 +469,33 @@ class Fleet:
 
     def _shutdown(self) -> None:
         self.stop_event.set()
-        order = {"beat": 0, "flower": 1, "worker": 2, "site": 3, "redis": 4}
-        for child in sorted(self.children, key=lambda c: order.get(c.name.split("-")[0], 5)):
-            self._stop_child(child, grace_s=15.0 if child.name == "worker" else 10.0)
+        # Tiers stop together: every beat at once (so no standby takes over from a leader
+        # that is stopping), then Flower and the worker, the site, and Redis last.
+        tiers = (("beat",), ("flower", "worker"), ("site",), ("redis",))
+        for tier in tiers:
+            members = [c for c in self.children if c.name.split("-")[0] in tier]
+            if tier == ("redis",):
+                self._read_beat_state()  # the last thing read before Redis goes
+            for child in members:
+                child.stopping = True
+                self._terminate(child)
+            for child in members:
+                self._stop_child(child, grace_s=20.0 if child.name == "worker" else 10.0,
+                                 signalled=True)
         if self._store is not None:
             with contextlib.suppress(Exception):
                 self._store.close()
+
+    def _read_beat_state(self) -> None:
+        """Runs the leaders published per entry (the durable per-entry state)."""
+        from .keys import beat_entry
+
+        prefix = beat_entry("")
+        with contextlib.suppress(Exception):
+            if self._store is None:
+                self._leader()
+            for key, record in self._store.scan(prefix).items():
+                self._dispatched[key[len(prefix):]] = int(record.get("run_count") or 0)
 
     def _summary(self, elapsed_s: float) -> None:
         say = self.out.say
@@ -468,10 +508,14 @@ class Fleet:
         if sink is None:
             say("  no sink database was written")
         else:
-            say("  runs per entry (sink, one row per (entry, slot)):")
-            for entry, (runs, dups) in sorted(sink["runs"].items()):
-                say(f"    {entry:<20} {runs:>4} runs   {dups or 0:>3} duplicate runs refused")
-            if not sink["runs"]:
+            say("  runs per entry: published by the leaders / run by the worker "
+                "(one per (entry, slot)) / duplicate runs refused")
+            names = sorted(set(sink["runs"]) | set(self._dispatched))
+            for entry in names:
+                runs, dups = sink["runs"].get(entry, (0, 0))
+                published = self._dispatched.get(entry, "?")
+                say(f"    {entry:<20} {published!s:>5} / {runs:>4} / {dups or 0:>3}")
+            if not names:
                 say("    (none)")
             pages = ", ".join(f"{k}: {v}" for k, v in sorted(sink["pages"].items())) or "none"
             say(f"  pages: {pages}")

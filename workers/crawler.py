@@ -388,6 +388,8 @@ def crawl_item(self: Task, url: str, *, locale: str | None = None,
     """Fetch one page and upsert it (or its failure) into the sink, fenced by the run's token."""
     deadline = task_deadline(self)
     token = fence_token(self)
+    if _duplicate_run(self, token):
+        return {"url": url, "outcome": "duplicate-run"}
     started = time.monotonic()
     result = _fetch(self, url, deadline, proxy_index, _locale_headers(locale))
     stored = _store(self, url, result, token)
