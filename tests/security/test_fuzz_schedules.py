@@ -249,12 +249,12 @@ def test_special_files_are_reported_not_hung_on(tmp_path: Path, kind: str) -> No
     loader = threading.Thread(target=lambda: results.append(
         load_schedule_files(["*.toml"], base_dir=tmp_path)), daemon=True)
     loader.start()
-    loader.join(5)
+    loader.join(3)
     if loader.is_alive():
         if kind == "fifo":  # release the blocked open() so the thread ends
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
             loader.join(5)
-        pytest.fail(f"{kind}: the loader blocked for more than 5 s")
+        pytest.fail(f"{kind}: the loader blocked for more than 3 s")
     result = results[0]
     assert "fine" in result.entries
     for err in result.errors:

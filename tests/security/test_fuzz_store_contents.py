@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from celery_crawl.errors import FencedError, StoreDataError, StoreError
@@ -71,8 +71,11 @@ def _still_serving(store: Any) -> None:
     store.release(lease)
 
 
-_fuzz = settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                         HealthCheck.too_slow])
+#: Every example costs round trips to a real server: no shrinking (a failure is reported with
+#: the example as drawn), so a regression cannot blow the suite's time budget.
+_NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate]
+_fuzz = settings(max_examples=50, phases=_NO_SHRINK,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 # -- records -----------------------------------------------------------------------------------
@@ -340,8 +343,8 @@ def etcd_store(etcd_server: Any, etcd_ns: str) -> Iterator[Any]:
     s.close()
 
 
-@settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                  HealthCheck.too_slow])
+@settings(max_examples=30, phases=_NO_SHRINK,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(value=garbage)
 @example(value=HOSTILE_EXAMPLES[0])
 @example(value=HOSTILE_EXAMPLES[1])
@@ -395,8 +398,8 @@ def test_etcd_garbage_lease(etcd_store: Any, etcd_raw: Any, etcd_ns: str,
     _still_serving(etcd_store)
 
 
-@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                  HealthCheck.too_slow])
+@settings(max_examples=25, phases=_NO_SHRINK,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(doc=garbage)
 def test_etcd_garbage_claim(etcd_store: Any, etcd_raw: Any, etcd_ns: str,
                             doc: bytes | str) -> None:

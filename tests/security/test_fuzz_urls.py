@@ -102,7 +102,7 @@ def test_opening_a_hostile_url_fails_cleanly(scheme: str, user: str, core: str, 
         pytest.fail(f"pinging a closed port succeeded: {mask_url(url)}")
 
 
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
 @given(scheme=schemes, user=users, core=cores, host=hosts, encoding=encodings)
 def test_config_validation_hides_the_password(scheme: str, user: str, core: str, host: str,
                                               encoding: str) -> None:
