@@ -149,3 +149,17 @@ def test_status_prints_no_password(cli_env: dict[str, str]) -> None:
     assert code == 0, output
     assert "leader" in output
     assert_no_secret(output, [cli_env["CRAWL_SEC_PASSWORD"]], "the status output")
+
+
+def test_status_without_schedule_files_prints_no_password(cli_env: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    """The same check in a real process, with no schedule files (so that a failure of the
+    schedule part of ``status`` cannot hide a leak in the rest)."""
+    env = {**os.environ, **cli_env, "PYTHONPATH": str(ROOT),
+           "CRAWL_SEC_SCHEDULES": str(tmp_path / "none" / "*.toml")}
+    out = subprocess.run([CELERY, "-A", APP, "crawl", "status"], cwd=str(ROOT), env=env,
+                         capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "leader" in text
+    assert_no_secret(text, [cli_env["CRAWL_SEC_PASSWORD"]], "the status output")
