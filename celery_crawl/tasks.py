@@ -40,7 +40,7 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import before_task_publish
 
-from .backends.audited import AuditedRedisBackend, _claim_token
+from .backends.audited import AuditedRedisBackend, _claim_token, parse_token
 from .backends.ledger import Heartbeat, KeyLedger
 from .errors import ConfigError, CrawlError, FencedError
 
@@ -90,16 +90,23 @@ def parse_deadline(value: object) -> datetime:
     if isinstance(value, datetime):
         if value.tzinfo is None or value.utcoffset() is None:
             raise ConfigError(f"deadline: {value!r} is naive; give an aware UTC datetime")
-        return value.astimezone(UTC)
+        try:
+            return value.astimezone(UTC)
+        except (OverflowError, ValueError) as exc:
+            raise ConfigError(f"deadline: {value!r} is out of range") from exc
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return datetime.fromtimestamp(float(value), UTC)
-    if isinstance(value, str):
+        try:
+            return datetime.fromtimestamp(float(value), UTC)
+        except (OverflowError, ValueError, OSError) as exc:
+            raise ConfigError(f"deadline: {value!r} is not a usable epoch time") from exc
+    if isinstance(value, str) and len(value) <= 64:
         try:
             parsed = datetime.fromisoformat(value)
         except ValueError as exc:
             raise ConfigError(f"deadline: {value!r} is not an ISO 8601 time") from exc
         return parse_deadline(parsed)
-    raise ConfigError(f"deadline: expected a datetime, ISO string or epoch seconds, got {value!r}")
+    raise ConfigError(
+        f"deadline: expected a datetime, ISO string or epoch seconds, got {value!r:.60}")
 
 
 def deadline_headers(deadline: object) -> dict[str, str]:
@@ -118,7 +125,7 @@ def _header_deadline(raw: object) -> datetime | None:
     try:
         return parse_deadline(raw)
     except ConfigError:
-        logger.warning("ignoring malformed %s header %r", DEADLINE_HEADER, raw)
+        logger.warning("ignoring malformed %s header %.60r", DEADLINE_HEADER, raw)
         return None
 
 
@@ -420,8 +427,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         kwargs = dict(kwargs or {})
         backend = self._audited_backend()
         if token is None:
-            stored = backend.client.hget(backend.fence_key(task_id), "token")
-            token = int(stored) if stored not in (None, b"") else None
+            token = parse_token(backend.client.hget(backend.fence_key(task_id), "token"))
+        else:
+            token = parse_token(token)
         tok = "" if token is None else str(token)
         exc = _poison_error(reason)
         self.push_request(id=task_id, args=args, kwargs=kwargs, called_directly=False,

@@ -43,9 +43,11 @@ from ..config import CrawlConfig, mask_url
 from ..errors import ConfigError, SerializationRefused
 
 __all__ = [
+    "MAX_TOKEN",
     "OUTCOMES",
     "AuditedRedisBackend",
     "audit_stream_key",
+    "parse_token",
     "result_digest",
 ]
 
@@ -87,15 +89,38 @@ def _token_counter_key(namespace: str) -> str:
     return token_counter_key(namespace)
 
 
+#: Claim tokens are compared in Lua, as doubles: beyond 2**53 they would lose precision.
+MAX_TOKEN = 2**53 - 1
+
+
+def parse_token(value: object) -> int | None:
+    """A claim token from a header value: an int (or ASCII digits) in ``0..2**53-1``, else None.
+
+    Anything else (floats, booleans, huge or negative numbers, other text) is not a token: the
+    write is then untokened, which can never overwrite a tokened result.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        token = value
+    elif isinstance(value, str | bytes) and 0 < len(value) <= 16:
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+        if not (text.isascii() and text.isdigit()):
+            return None
+        token = int(text)
+    else:
+        return None
+    return token if 0 <= token <= MAX_TOKEN else None
+
+
 def _claim_token(request: Any) -> int | None:
-    token = getattr(request, "crawl_claim_token", None) if request is not None else None
-    if token is None or isinstance(token, bool):
+    raw = getattr(request, "crawl_claim_token", None) if request is not None else None
+    if raw is None:
         return None
-    try:
-        return int(token)
-    except (TypeError, ValueError):
-        logger.warning("ignoring malformed crawl_claim_token %r", token)
-        return None
+    token = parse_token(raw)
+    if token is None:
+        logger.warning("ignoring malformed crawl_claim_token %.40r", raw)
+    return token
 
 
 def _server_identity(host: object, port: object, db: object) -> tuple[str, int, int]:

@@ -42,7 +42,8 @@ end
 
 local alive = ehb > now and not force
 -- A newer claim token for the same task id is only issued once the older claim is dead.
-local newer = task == etask and token ~= '' and etoken ~= '' and tonumber(token) > tonumber(etoken)
+local ntoken, etok = tonumber(token), tonumber(etoken)
+local newer = task == etask and ntoken ~= nil and etok ~= nil and ntoken > etok
 if not alive or newer then
   if rbp then
     -- Finish the dead run's rollback under its own token; the record stays that task's.
