@@ -153,3 +153,26 @@ def test_listing_pages_are_followed_up_to_max_pages_with_the_locale(fleet: Fleet
     assert all(got[u]["outcome"] == "ok" for u in [first, second, *items])
     assert f"{base}?n=2&pages=3&page=3" not in rows(fleet.sink)
     assert {h["lang"] for h in fleet.site.hits("/item/pg/")} == {"de-DE"}
+
+
+def test_children_inherit_the_parents_deadline(fleet: Fleet) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    # Slow items on their own domain (in-flight cap 2): eight of them need ~4 s, the crawl
+    # has 2.5 s. Nothing may start after the deadline; what could not finish is recorded as
+    # failed (or expired unrun), never fetched late.
+    site = fleet.site.url.replace("127.0.0.1", "localhost")
+    listing = f"{site}/listing/dl?n=8&item_delay=1"
+    deadline = datetime.now(UTC) + timedelta(seconds=2.5)
+    fleet.app.send_task("workers.crawler.crawl_listing", args=[listing],
+                        headers={"crawl_deadline": deadline.isoformat()})
+    fleet.wait_rows([listing], timeout_s=20)
+    wait_until(lambda: datetime.now(UTC) > deadline + timedelta(seconds=3), 30,
+               what="the deadline to pass")
+    hits = fleet.site.hits("/item/dl/")
+    assert hits, "no item was fetched at all"
+    assert max(h["at"] for h in hits) <= deadline.timestamp() + 0.2
+    stored = {u: r for u, r in rows(fleet.sink).items() if "/item/dl/" in u}
+    assert len(stored) < 8
+    assert all(r["outcome"] in ("ok", "failed:deadline", "failed:timeout")
+               for r in stored.values()), stored
