@@ -145,7 +145,7 @@ def _next_fires(app: Any, store: Any, limit: int) -> None:
 
         config = CrawlConfig.from_app(app)
         result = load_schedule_files(list(config.schedule_paths), base_dir=os.getcwd())
-        for spec in result.entries:
+        for spec in result.entries.values():
             entries.setdefault(spec.name, from_spec(spec))
         for err in result.errors:
             click.echo(f"  ! {err}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 import uuid
 from collections import Counter
@@ -28,7 +29,7 @@ from celery_crawl import keys
 from celery_crawl.beat.state import EntryState, SkipLog, parse_slot
 from celery_crawl.leases import open_store
 from celery_crawl.schedules import task_id_for
-from tests.procs import Proc, celery_args, faketime_lib, worker_args
+from tests.procs import ROOT, Proc, celery_args, faketime_lib, worker_args
 from tests.servers import EtcdServer, RedisServer, etcd_binary, wait_until
 
 pytestmark = pytest.mark.system
@@ -258,6 +259,31 @@ def test_skewed_replica_never_leads(redis_cluster: tuple[Cluster, RedisServer]) 
     cluster.spawn_beat()
     cluster.leader_proc()
     cluster.wait_runs(4, timeout_s=30)
+
+
+def test_operator_cli(redis_cluster: tuple[Cluster, RedisServer]) -> None:
+    cluster, _ = redis_cluster
+    _, token = cluster.leader_proc()
+
+    def crawl(*args: str) -> str:
+        out = subprocess.run(celery_args("tests.system.beatapp", "crawl", *args),
+                             env={**os.environ, **cluster.env}, cwd=str(ROOT),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    status = crawl("status")
+    assert f"token {token}" in status and "replicas:" in status, status
+    assert "clock offset +30" in status and "BLOCKED: not leading" in status, status
+    assert "e0" in status
+    crawl("pause", "e1")
+    wait_until(lambda: SkipLog.from_record(cluster.store.get(keys.beat_skips("e1")))
+               .totals.get("paused", 0) >= 2, 15, what="paused slots recorded")
+    crawl("resume", "e1")
+    crawl("trigger", "e0")
+    wait_until(lambda: any(r["manual"] and r["entry"] == "e0" for r in cluster.runs()), 15,
+               what="the triggered run")
+    assert "PAUSED" not in crawl("status")
 
 
 def test_every_slot_ran_once_or_was_recorded_skipped(
