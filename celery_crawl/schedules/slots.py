@@ -34,12 +34,13 @@ FOLD_POLICIES = ("first", "last", "both")
 # schedules need at most a few thousand steps (every second through a one-hour fold).
 _MAX_STEPS = 500_000
 _TINY = timedelta(microseconds=1)
+_MEMO_SIZE = 256
 
 
 class SlotRule:
     """Nominal slots of ``cron`` in ``tz`` under a gap and a fold policy (no Celery here)."""
 
-    __slots__ = ("cron", "fold", "gap", "tz")
+    __slots__ = ("_memo", "cron", "fold", "gap", "tz")
 
     def __init__(self, cron: CronExpr, tz: object, *, gap: str = "shift", fold: str = "first"):
         if gap not in GAP_POLICIES:
@@ -52,6 +53,9 @@ class SlotRule:
         self.tz = tz
         self.gap = gap
         self.fold = fold
+        # Recent answers: jitter and the scheduler ask for the same slots again and again
+        # (a slot's successor is the next call's starting point). Bounded; safe to share.
+        self._memo: dict[datetime, datetime] = {}
 
     def _allowed(
         self, kind: WallKind, first: datetime, second: datetime | None
@@ -73,7 +77,7 @@ class SlotRule:
         Wall times are walked in order. Their *first* instants never decrease with the wall time
         (a gap's walls all map to its transition), so the walk stops as soon as a wall's first
         instant cannot beat the best candidate. Second-pass instants of a fold are the only ones
-        that break the order, which is why a start inside a fold needs the extra look below.
+        that break the order, which is why a start inside a fold needs an extra look.
 
         Raises:
             ScheduleError: for a naive ``after`` or when no slot can be found.
@@ -81,6 +85,16 @@ class SlotRule:
         if after.tzinfo is None or after.utcoffset() is None:
             raise ScheduleError(f"next_slot needs an aware datetime, got naive {after!r}")
         a = utc_naive(after)
+        cached = self._memo.get(a)
+        if cached is not None:
+            return cached
+        result = self._next_slot(a, after)
+        if len(self._memo) >= _MEMO_SIZE:
+            self._memo.clear()
+        self._memo[a] = result
+        return result
+
+    def _next_slot(self, a: datetime, after: datetime) -> datetime:
         local = after.astimezone(self.tz)
         wall = local.replace(tzinfo=None)
         best: datetime | None = None
