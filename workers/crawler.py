@@ -30,7 +30,7 @@ import random
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import redis
@@ -64,11 +64,12 @@ def _audited_backend_available() -> bool:
 
 
 def _task_base() -> type[Task]:
+    """``IdempotentTask`` (replay of finished runs, deadlines) when installed, else ``Task``."""
     try:
         from celery_crawl.tasks import IdempotentTask
     except ImportError:
         return Task
-    return IdempotentTask  # type: ignore[no-any-return]
+    return cast("type[Task]", IdempotentTask)
 
 
 app = Celery("workers.crawler")
@@ -183,7 +184,8 @@ def backoff_s(retries: int, *, base_s: float, max_s: float, rng: random.Random |
     workers that failed together.
     """
     step = min(max_s, base_s * (2 ** max(0, retries)))
-    return step / 2 + (rng or random).uniform(0, step / 2)
+    uniform = rng.uniform if rng is not None else random.uniform
+    return float(step / 2 + uniform(0, step / 2))
 
 
 def _retry_or_give_up(task: Task, exc: FetchError, deadline: datetime, url: str,
