@@ -66,7 +66,7 @@ def test_kill9_mid_task_runs_elsewhere_exactly_once(
         ws.start("b", wait=False)
         ws.wait_ready("a")
         ws.wait_ready("b")
-        send(combo, key, 2.0)
+        send(combo, key, 1.0)
         first = wait_until(lambda: runs(combo, key), 30, what="first run started")[0]
         victim = "a" if first["host"] == ws.hostname("a") else "b"
         survivor = "b" if victim == "a" else "a"

@@ -55,7 +55,17 @@ class Combo:
         return client
 
     def sink_client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.sink, socket_timeout=5, socket_connect_timeout=5)
+        """One client per combination (closed with its workers)."""
+        client = self.__dict__.get("_sink_client")
+        if client is None:
+            client = redis.Redis.from_url(self.sink, socket_timeout=5, socket_connect_timeout=5)
+            self.__dict__["_sink_client"] = client
+        return client
+
+    def close(self) -> None:
+        client = self.__dict__.pop("_sink_client", None)
+        if client is not None:
+            client.close()
 
 
 class Workers:
@@ -90,6 +100,7 @@ class Workers:
     def stop_all(self) -> None:
         for proc in self.procs.values():
             proc.stop(grace_s=3)
+        self.combo.close()
 
     def logs(self) -> str:
         return "\n".join(f"===== {n}\n{p.log()[-6000:]}" for n, p in self.procs.items())
