@@ -12,6 +12,7 @@ hostile messages.
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -111,6 +112,42 @@ def test_hostile_deadline_fails_at_most_its_own_task(fleet: dict[str, Any], valu
                     f"{type(exc).__name__}: {exc} (it should be ignored with a warning)")
     assert left is None or isinstance(left, float)
     assert _echo(fleet)["token"] is not None, "the worker stopped serving"
+
+
+class _Boom:
+    """Unpickling this creates a directory: proof that the worker unpickled a message."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (self.marker,))
+
+
+def test_pickled_message_is_refused_without_leaving_a_claim(fleet: dict[str, Any],
+                                                            tmp_path: Path) -> None:
+    """A pickle-serialized task message aimed at the worker is not unpickled, not run, and
+    leaves no claim behind; the worker keeps serving."""
+    marker = tmp_path / "unpickled"
+    evil = Celery("crawlsecw", broker=fleet["env"]["CRAWL_SEC_BROKER"], set_as_current=False)
+    evil.conf.update(task_serializer="pickle", accept_content=["pickle", "json"],
+                     broker_transport_options={"socket_timeout": 5})
+    task_id = str(uuid.uuid4())
+    try:
+        evil.send_task("sec.echo", args=[_Boom(str(marker))], task_id=task_id)
+    finally:
+        evil.close()
+    assert _echo(fleet)["token"] is not None, "the worker stopped serving"
+
+    def claims() -> list[Any]:
+        replies = fleet["client"].control.broadcast("crawl_leases", reply=True, timeout=3,
+                                                    limit=1)
+        return [c for reply in replies for body in reply.values()
+                for c in (body.get("claimed") or []) if task_id in json.dumps(c, default=str)]
+
+    wait_until(lambda: not claims(), 6, interval_s=0.3,
+               what=f"the refused pickle message's claim to go (claims: {claims()})")
+    assert not marker.exists(), "the worker unpickled a task message"
 
 
 def test_no_password_in_inspect_stats_leases_metrics_or_log(fleet: dict[str, Any]) -> None:
