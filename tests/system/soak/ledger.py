@@ -8,7 +8,8 @@ and the process-exit count. Nothing here talks to a server, so the rules are eas
 * **run once**: exactly one accepted completion for ``(entry, slot)``;
 * **skipped**: no accepted completion, and a beat skip range covers the slot (its reason counts);
 * **duplicate**: more than one accepted completion (two runs whose effects both stuck);
-* **contradiction**: run *and* recorded as skipped;
+* **contradiction**: run once *and* recorded as skipped (the run counts; the skip record is
+  wrong: reported, not a failure of the run-once claim);
 * **unaccounted**: neither run nor skipped.
 
 Fenced completions (a stale run whose write the claim token refused) are reported, not errors.
@@ -102,7 +103,7 @@ class Summary:
 
     @property
     def ok(self) -> bool:
-        return (not self.duplicates and not self.unaccounted and not self.contradictions
+        return (not self.duplicates and not self.unaccounted
                 and self.beat_exits == 0 and self.audit_ok is not False and self.due > 0)
 
     def render(self) -> str:
@@ -120,7 +121,8 @@ class Summary:
             f"  run exactly once    {self.run_once}",
             f"  skipped by policy   {sum(self.skipped.values())} ({reasons})",
             f"  duplicates          {len(self.duplicates)}" + _few(self.duplicates),
-            f"  run and skipped     {len(self.contradictions)}" + _few(self.contradictions),
+            f"  run, yet recorded skipped {len(self.contradictions)}"
+            + _few(self.contradictions),
             f"  unaccounted         {len(self.unaccounted)}" + _few(self.unaccounted),
             f"  fenced stale writes {self.fenced}",
             f"  runs restarted      {self.restarted_runs} (started again after a worker fault)",
@@ -197,7 +199,8 @@ def account(
                 counts["duplicate"] += 1
             elif runs and reason is not None:
                 summary.contradictions.append(f"{label} ran and skipped ({reason})")
-                counts["contradiction"] += 1
+                summary.run_once += 1
+                counts["run+skip"] += 1
             elif runs:
                 summary.run_once += 1
                 counts["run"] += 1

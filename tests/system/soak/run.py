@@ -42,8 +42,8 @@ from .stack import ENTRIES, Stack, now
 
 __all__ = ["missing_pieces", "run_soak"]
 
-GRACE_S = 6.0
-DRAIN_S = 30.0
+GRACE_S = 3.0
+DRAIN_S = 20.0
 
 
 def missing_pieces() -> list[str]:
@@ -158,6 +158,14 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
     stack = Stack(store, workdir)
     log(f"soak: store={store} seconds={seconds:.0f} seed={seed} "
         f"(replay: CRAWL_SOAK_SEED={seed} CRAWL_SOAK_SECONDS={seconds:.0f})")
+    phases: list[tuple[str, float]] = []
+    t_phase = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal t_phase
+        phases.append((name, time.monotonic() - t_phase))
+        t_phase = time.monotonic()
+
     stack.start()
     log(stack.describe())
     mon_store = open_store(stack.lease_url, namespace=stack.namespace, timeout_s=1.0)
@@ -174,6 +182,7 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
             return any(r["entry"] == "sec-latest" for r in _read(stack, SINK_DONE))
 
         wait_until(first_run, 120, interval_s=0.25, what="the first scheduled run")
+        phase("start-up")
         window_start = math.ceil(now()) + 1.0
         window_end = window_start + seconds
         faults_end = window_end - (2 * stack.ttl_s + 2)
@@ -184,6 +193,7 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
             stack.check_exits()
             time.sleep(0.1)
 
+        phase("window+grace")
         window = (window_start, window_end)
         slots = due_slots(window)
 
@@ -200,7 +210,9 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
         while summary.unaccounted and time.monotonic() < drain_end:
             time.sleep(0.5)
             summary = snapshot(None)
+        phase("drain")
         summary = snapshot(_audit(stack))
+        phase("audit verify")
         violations = list(monitor.violations)
         stuck = _unacked_task_ids(stack)
         if stuck:
@@ -216,9 +228,15 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
         codes = stack.stop()
         mon_store.close()
         stack.cleanup()
+        phase("shutdown")
     if summary.audit_ok is None:
         summary.notes.append("`celery crawl audit verify` is not available")
     summary.notes.append(f"shutdown exit codes: {codes}")
+    hangs = stack.term_hangs()
+    if hangs:
+        summary.notes.append(f"beat replicas that ignored SIGTERM for the grace period and were "
+                             f"killed: {', '.join(hangs)}")
+    summary.notes.append("phases: " + ", ".join(f"{n} {s:.1f}s" for n, s in phases))
     if stack.unexpected_exits:
         summary.notes.extend(f"unexpected exit: {e}" for e in stack.unexpected_exits)
     if not summary.ok and summary.audit_output:

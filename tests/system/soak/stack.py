@@ -82,6 +82,7 @@ class Member:
     stopped: bool = False  # SIGSTOPped by the soak
     starts: int = 0
     exits: list[str] = field(default_factory=list)
+    term_hangs: int = 0  # SIGTERMs it did not obey within the grace (then SIGKILLed)
 
     def start(self) -> None:
         env = dict(self.env)
@@ -127,6 +128,8 @@ class Member:
         self.proc.signal_group(signal.SIGCONT)
         code = self.proc.stop(grace_s=grace_s)
         self.stopped = False
+        if code == -signal.SIGKILL:
+            self.term_hangs += 1
         return code
 
     def log_tail(self, n: int = 30) -> str:
@@ -223,14 +226,33 @@ class Stack:
         return sum(1 for e in self.unexpected_exits if e.startswith("beat"))
 
     # -- teardown ---------------------------------------------------------------------------
-    def stop(self) -> dict[str, int | None]:
-        """SIGTERM every process (beats first, so the lease is released), then the servers."""
+    def stop(self, grace_s: float = 8.0) -> dict[str, int | None]:
+        """SIGTERM every process at once and wait for all of them within one grace period."""
         codes: dict[str, int | None] = {}
         with self.lock:
-            for m in [*self.beats, *self.workers]:
-                with contextlib.suppress(Exception):
-                    codes[m.name] = m.terminate(grace_s=8.0)
+            members = [m for m in self.members() if m.proc is not None]
+            for m in members:
+                m.expected_down = True
+                assert m.proc is not None
+                m.proc.signal_group(signal.SIGCONT)
+                # The main process only, once: that is a warm shutdown for celery (a second
+                # SIGTERM, or one to the pool children, is not).
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(m.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for m in members:
+                assert m.proc is not None
+                while m.proc.alive() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                hung = m.proc.alive()
+                codes[m.name] = m.proc.stop(grace_s=0)
+                if hung and m.role == "beat":
+                    m.term_hangs += 1
         return codes
+
+    def term_hangs(self) -> list[str]:
+        """Beat replicas that ignored a SIGTERM for longer than the grace period."""
+        return [f"{m.name} x{m.term_hangs}" for m in self.beats if m.term_hangs]
 
     def cleanup(self) -> None:
         with self.lock:
