@@ -79,6 +79,15 @@ def _record(entry_id: bytes | str, fields: dict[Any, Any]) -> AuditRecord:
     )
 
 
+def _epoch_ms(when: datetime) -> int:
+    # Stream ids are unsigned: a time before 1970 (or too far out to convert) means "from the
+    # start" / "from the end".
+    try:
+        return min(max(0, int(when.timestamp() * 1000)), 2**63 - 1)
+    except (OverflowError, ValueError, OSError):
+        return 0 if when.year < 1970 else 2**63 - 1
+
+
 def iter_records(backend: AuditedRedisBackend, *, since: datetime | None = None,
                  page: int = _PAGE) -> Iterator[AuditRecord]:
     """Every record from ``since`` (store time, inclusive) on, oldest first.
@@ -87,7 +96,7 @@ def iter_records(backend: AuditedRedisBackend, *, since: datetime | None = None,
         StoreUnavailable: Redis cannot be reached.
     """
     client = backend.client
-    start = "-" if since is None else f"{int(since.timestamp() * 1000)}-0"
+    start = "-" if since is None else f"{_epoch_ms(since)}-0"
     try:
         while True:
             batch = client.xrange(backend.audit_key, min=start, max="+", count=page)
@@ -127,7 +136,10 @@ def verify(backend: AuditedRedisBackend, *, now: datetime | None = None) -> Veri
     tasks = list(last)
     for i in range(0, len(tasks), _MGET_BATCH):
         chunk = tasks[i:i + _MGET_BATCH]
-        values = backend.client.mget([backend.get_key_for_task(t) for t in chunk])
+        try:
+            values = backend.client.mget([backend.get_key_for_task(t) for t in chunk])
+        except backend.connection_errors as exc:
+            raise StoreUnavailable(f"result backend: {exc}") from exc
         for task_id, value in zip(chunk, values, strict=True):
             _judge(backend, report, last[task_id], value, now)
     return report

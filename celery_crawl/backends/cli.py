@@ -49,10 +49,10 @@ def _since(value: str | None) -> datetime | None:
             return datetime.now(UTC) - timedelta(seconds=parse_duration(value, what="--since"))
         except ConfigError as exc:
             raise click.BadParameter(
-                f"{value!r}: give an ISO time (2026-01-31T00:00:00Z) or a duration (24h)",
+                f"{value!r:.60}: give an ISO time (2026-01-31T00:00:00Z) or a duration (24h)",
                 param_hint="--since") from exc
     if parsed.tzinfo is None:
-        raise click.BadParameter(f"{value!r} has no time zone; add Z or +00:00",
+        raise click.BadParameter(f"{value!r:.60} has no time zone; add Z or +00:00",
                                  param_hint="--since")
     return parsed
 
@@ -63,9 +63,8 @@ def audit() -> None:
 
 
 @audit.command(name="verify")
-@click.option("--quiet", "-q", is_flag=True, help="Print only problems and the summary.")
 @click.pass_context
-def verify_cmd(ctx: click.Context, quiet: bool) -> None:
+def verify_cmd(ctx: click.Context) -> None:
     """Compare each task's last audited write with its stored result; exit 1 on divergence."""
     try:
         report = audit_log.verify(_backend(ctx))
@@ -92,7 +91,7 @@ def show_cmd(ctx: click.Context, task_id: str) -> None:
     except CrawlError as exc:
         raise click.ClickException(str(exc)) from exc
     if not records:
-        raise click.ClickException(f"no audit records for task {task_id}")
+        raise click.ClickException(f"no audit records for task {task_id:.200}")
     header = ("time (UTC)", "state", "token", "worker", "outcome", "rollback", "digest")
     rows = [(f"{r.time:%Y-%m-%d %H:%M:%S}.{r.time.microsecond // 1000:03d}", r.state,
              "" if r.token is None else str(r.token), r.worker, r.outcome, r.rollback,
