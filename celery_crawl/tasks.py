@@ -261,7 +261,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         carried = {h: getattr(request, h, None) for h in (IDEMPOTENCY_HEADER, DEADLINE_HEADER)}
         carried = {k: v for k, v in carried.items() if v is not None}
         if carried:
-            sig.options["headers"] = {**(sig.options.get("headers") or {}), **carried}
+            # Headers given to retry() explicitly win over the carried ones.
+            sig.options["headers"] = {**carried, **(sig.options.get("headers") or {})}
         return sig
 
     def remaining(self) -> float | None:
