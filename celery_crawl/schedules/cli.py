@@ -15,7 +15,7 @@ import click
 
 from ..errors import CrawlError, ScheduleFileError
 from .entry import EntrySpec
-from .files import load_app_schedule, load_schedule_files
+from .files import check_duplicates_with_beat_schedule, load_app_schedule, load_schedule_files
 from .ids import task_id_for
 
 __all__ = ["register"]
@@ -75,13 +75,18 @@ def _now(ctx: click.Context | None = None) -> datetime:
 
 
 def _app(ctx: click.Context) -> Any:
-    obj = ctx.obj
-    app = getattr(obj, "app", None)
-    if app is None:
-        from celery import current_app
+    """The ``-A`` app: celery's ``CLIContext`` on an outer context (an inner group may have
+    replaced ``ctx.obj`` with its own object), else the current app.
+    """
+    current: click.Context | None = ctx
+    while current is not None:
+        app = getattr(current.obj, "app", None)
+        if app is not None:
+            return app
+        current = current.parent
+    from celery import current_app
 
-        app = current_app._get_current_object()
-    return app
+    return current_app._get_current_object()
 
 
 @click.group(name="schedules", help="Validate and preview schedule files.")
@@ -93,13 +98,17 @@ def schedules() -> None:
 @click.argument("paths", nargs=-1, required=True)
 @click.option("-n", "--count", default=5, show_default=True, type=click.IntRange(1, 1000),
               help="How many upcoming fires to show per entry.")
-def check(paths: tuple[str, ...], count: int) -> None:
+@click.pass_context
+def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
     """Validate schedule files (paths, directories or globs) and show each entry's next fires.
 
     Exit status 1 when any file or entry is bad; the good entries are still shown.
     """
     try:
         result = load_schedule_files(list(paths), base_dir=".")
+        # Names that clash with the app's beat_schedule are errors too (both places named).
+        beat_schedule = _app(ctx).conf.get("beat_schedule") or {}
+        result.errors.extend(check_duplicates_with_beat_schedule(result, beat_schedule))
         now = _now()
         for name, spec in result.entries.items():
             click.echo(f"{name}  ({spec.source})  -> {spec.task}")

@@ -102,17 +102,22 @@ def test_check_shipped_files_prints_next_fires_in_zone_and_utc(app_dir):
 def test_check_bad_file_exits_1_with_every_error_and_no_traceback(app_dir):
     (app_dir / "bad.toml").write_text(BAD)
     (app_dir / "broken.toml").write_text("[entries.x\n")
-    result = run(app_dir, "schedules", "check", "bad.toml", "broken.toml", "missing.toml")
+    (app_dir / "dup.toml").write_text(
+        '[entries.code-entry]\ntask = "t.x"\ncron = "0 1 * * *"\ntz = "UTC"\n')
+    result = run(app_dir, "schedules", "check", "bad.toml", "broken.toml", "missing.toml",
+                 "dup.toml")
     assert result.returncode == 1
     assert "Traceback" not in result.stdout + result.stderr
     assert "good-one" in result.stdout  # the good entry still loads and is shown
     err = result.stderr
-    assert "5 error(s)" in err
+    assert "6 error(s)" in err
     assert "bad.toml, entry 'typo', field 'cronn': unknown key" in err
     assert "bad.toml, entry 'bad-zone', field 'tz': time zone 'Local'" in err
     assert "bad.toml, entry 'bad-cron', field 'cron': cron '0 24 * * *'" in err
     assert "broken.toml: invalid TOML" in err
     assert "missing.toml: no such file" in err
+    assert "dup.toml, entry 'code-entry': entry 'code-entry' is also defined in " \
+        "app.conf.beat_schedule" in err
 
 
 def test_next_for_a_file_entry_shows_slots_and_task_ids(app_dir):
