@@ -13,20 +13,18 @@ logger = logging.getLogger(__name__)
 
 
 def _user_set(app: Any, key: str) -> bool:
-    """Whether the app's own configuration sets ``key`` (not Celery's default)."""
+    """Whether the app's own configuration sets ``key`` (not Celery's default).
+
+    Celery's settings are a chain of maps: the app's changes, then each configuration source
+    (``config_from_object``, ...), then the defaults last. Reading one value loads a pending
+    configuration first.
+    """
     conf = app.conf
-    try:
-        changes = conf.changes
-    except AttributeError:  # pragma: no cover - very old Celery
-        changes = {}
-    if key in changes:
-        return True
-    source = getattr(app, "_config_source", None)
-    if source is not None:
-        if isinstance(source, dict):
-            return key in source or key.upper() in source
-        return hasattr(source, key) or hasattr(source, key.upper())
-    return False
+    conf.get(key)
+    maps = getattr(conf, "maps", None)
+    if maps and len(maps) > 1:
+        return any(key in m for m in maps[:-1])
+    return key in getattr(conf, "changes", {})
 
 
 def install_worker(app: Any, config: CrawlConfig | None = None) -> CrawlConfig:

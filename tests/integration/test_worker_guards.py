@@ -46,3 +46,22 @@ def test_pool_names_and_beat() -> None:
     check_beat(False)
     with pytest.raises(UnsupportedSetup, match="-B"):
         check_beat(True)
+
+
+def test_install_worker_sets_only_what_the_app_left_unset() -> None:
+    from celery import Celery
+
+    from celery_crawl.worker import install_worker
+
+    app = Celery("t-install")
+    app.conf.update(crawl_lease_url="redis://127.0.0.1:1/0", crawl_worker_lease_ttl=10,
+                    task_acks_late=False)
+    install_worker(app)
+    install_worker(app)  # idempotent
+    assert app.conf.task_acks_late is False
+    assert app.conf.task_reject_on_worker_lost is True
+    assert app.conf.broker_heartbeat == 5
+    names = [getattr(s, "name", "") for s in app.steps["worker"]]
+    assert names.count("celery_crawl.worker.steps.LeaseStep") == 1
+    assert [getattr(s, "name", "") for s in app.steps["consumer"]].count(
+        "celery_crawl.worker.steps.ClaimStep") == 1
