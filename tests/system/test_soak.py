@@ -75,3 +75,40 @@ def test_soak_every_slot_runs_once_or_is_skipped(
     assert summary.beat_exits == 0, report
     assert summary.audit_ok is not False, report
     assert not violations, report
+
+
+def test_ledger_classifies_every_slot() -> None:
+    """The accounting itself, on made-up records: one slot of each kind."""
+    from datetime import UTC, datetime
+
+    from tests.system.soak.ledger import Fault, SkipSpan, account
+
+    base = 1_800_000_000.0
+
+    def iso(i: int) -> str:
+        return datetime.fromtimestamp(base + i, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def rec(i: int, worker: str, token: int, t: float, task: str | None = None) -> dict:
+        return {"entry": "e", "slot": iso(i), "worker": worker, "pid": 1, "claim_token": token,
+                "leader_token": 7, "task_id": task or f"t{i}", "t": base + t}
+
+    starts = [rec(1, "w0", 10, 1.1), rec(2, "w0", 11, 2.1), rec(2, "w1", 12, 6.0),
+              rec(5, "w0", 13, 5.1)]
+    done = [rec(1, "w0", 10, 1.3), rec(2, "w0", 11, 4.0), rec(2, "w1", 12, 6.5),
+            rec(5, "w0", 13, 5.3)]
+    summary = account(
+        store="redis", seed=1, window=(base + 1, base + 5),
+        due_slots={"e": [base + i for i in range(1, 6)]},
+        starts=starts, done=done, fenced=[],
+        skips=[SkipSpan("e", base + 3, base + 3, 1, "missed"),
+               SkipSpan("e", base + 5, base + 5, 1, "superseded")],
+        faults=[Fault("worker_kill9", "w0", base + 2.5, worker_host="w0")],
+        beat_exits=0, audit=(True, "clean"))
+    assert summary.due == 5
+    assert summary.run_once == 2  # slot 1, and slot 5 (which is also, wrongly, recorded skipped)
+    assert [d.split(" ")[0] for d in summary.duplicates] == [f"e@{iso(2)[11:19]}"]
+    assert summary.skipped == {"missed": 1}
+    assert summary.unaccounted == [f"e@{iso(4)[11:19]}"]
+    assert len(summary.contradictions) == 1
+    assert summary.recoveries == [("worker_kill9", 3.5)]
+    assert not summary.ok
