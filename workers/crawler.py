@@ -74,20 +74,9 @@ def _task_base() -> type[Task]:
 
 app = Celery("workers.crawler")
 app.conf.update(settings.celery_conf(audited_backend=_audited_backend_available()))
+# One call: settings validated, worker lease/claim steps registered, LeasedScheduler as the
+# default beat scheduler, deadline propagation on every publish.
 crawl_config = celery_crawl.install(app)
-
-
-def _install_worker_plugin() -> None:
-    # install() wires every plugin once the lead's wiring lands; until then (and harmlessly
-    # after: it is idempotent) register the worker lease/claim steps here.
-    try:
-        from celery_crawl.worker import install_worker
-    except ImportError:
-        return
-    install_worker(app, crawl_config)
-
-
-_install_worker_plugin()
 CrawlTask: type[Task] = _task_base()
 
 _DEADLINE_HEADER = "crawl_deadline"
