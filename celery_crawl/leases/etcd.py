@@ -64,6 +64,7 @@ from ..errors import (
     StoreError,
     StoreTimeout,
     StoreUnavailable,
+    UnsupportedSetup,
 )
 from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease
 
@@ -206,6 +207,7 @@ class EtcdLeaseStore:
         self.timeout_s = float(timeout_s)
         self.round_trips = 0
         self._prefix = f"{namespace}:"
+        self._pid = os.getpid()
         self._rpc = import_etcd3()
         import grpc
 
@@ -262,6 +264,12 @@ class EtcdLeaseStore:
     def _translate(self, what: str) -> Iterator[None]:
         """Map gRPC errors to the ``StoreError`` tree, naming the masked URL."""
         grpc = self._grpc
+        if os.getpid() != self._pid:
+            raise UnsupportedSetup(
+                f"{self.url}: the etcd lease store was opened in process {self._pid} and used in "
+                f"its forked child {os.getpid()}; gRPC channels do not survive fork(), so open "
+                f"the store in the main process only (beat, worker main process)"
+            )
         try:
             yield
         except grpc.RpcError as exc:

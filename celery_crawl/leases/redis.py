@@ -192,7 +192,6 @@ class RedisLeaseStore:
             socket_timeout=self.timeout_s,
             socket_connect_timeout=self.timeout_s,
             retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
             health_check_interval=0,
             decode_responses=True,
             # Foreign bytes must reach _loads (StoreDataError naming the key), not blow up in

@@ -1,0 +1,199 @@
+"""Driver-specific behaviour the shared contract cannot state: Redis scripts, WAIT, eviction
+and persistence checks, token re-seeding; etcd's TTL floor, protobuf and fork rules; URL
+grammar of both."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_crawl.errors import ConfigError, CrawlError, LeaseLost, UnsupportedSetup
+from celery_crawl.leases import open_store
+from celery_crawl.leases.redis import RedisLeaseStore, parse_redis_url, token_counter_key
+from tests.servers import EtcdServer, RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- Redis ------------------------------------------------------------------------------------
+def test_token_counter_is_the_documented_key_and_reseeds_from_time(
+        redis_server: RedisServer) -> None:
+    store = open_store(redis_server.url, namespace="seed")
+    try:
+        lease = store.acquire("a", 5, "h")
+        assert lease is not None
+        raw = redis_server.client()
+        assert int(raw.get(token_counter_key("seed"))) == lease.token
+        assert token_counter_key("seed") == "seed:token"
+        # A failover to a replica that never saw the counter: the counter is simply missing.
+        raw.delete(token_counter_key("seed"))
+        again = store.acquire("b", 5, "h")
+        assert again is not None and again.token > lease.token
+        assert abs(again.token / 1e6 - time.time()) < 60, "seeded from TIME in microseconds"
+    finally:
+        store.close()
+
+
+def test_flushed_scripts_are_reloaded_transparently(redis_server: RedisServer) -> None:
+    store = open_store(redis_server.url, namespace="noscript")
+    try:
+        lease = store.acquire("a", 5, "h")
+        assert lease is not None
+        redis_server.client().script_flush()
+        assert store.renew(lease).token == lease.token
+    finally:
+        store.close()
+
+
+def test_wait_replicas_without_replicas_fails_closed_in_one_round_trip(
+        redis_server: RedisServer) -> None:
+    plain = RedisLeaseStore(redis_server.url, namespace="wait")
+    waiting = RedisLeaseStore(redis_server.url, namespace="wait", timeout_s=0.4,
+                              redis_wait_replicas=1)
+    try:
+        assert waiting.acquire("a", 5, "h") is None, "unacknowledged acquire is not a lease"
+        lease = plain.acquire("b", 5, "h")
+        assert lease is not None
+        waiting.holder("b")  # loads nothing; warms the pool
+        before = waiting.round_trips
+        with pytest.raises(LeaseLost, match="replicas"):
+            waiting.renew(lease)
+        assert waiting.round_trips - before == 1
+        assert waiting.claim(lease, "task:1", {}) is not None
+        assert waiting.unacked_writes == 1
+    finally:
+        plain.close()
+        waiting.close()
+
+
+def test_eviction_risk_and_persistence_are_read_from_info(fresh_redis_aof: RedisServer) -> None:
+    store = open_store(fresh_redis_aof.url, namespace="info")
+    try:
+        assert store.eviction_risk() is None  # type: ignore[attr-defined]
+        assert store.persistence() == {  # type: ignore[attr-defined]
+            "aof_enabled": True, "rdb": False, "persistent": True}
+        raw = fresh_redis_aof.client()
+        raw.config_set("maxmemory", "100mb")
+        raw.config_set("maxmemory-policy", "allkeys-lru")
+        risk = store.eviction_risk()  # type: ignore[attr-defined]
+        assert risk is not None and "allkeys-lru" in risk and "noeviction" in risk
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("redis://127.0.0.1:6390/2", {"host": "127.0.0.1", "port": 6390, "db": 2}),
+    ("redis://u:p%40ss@h", {"host": "h", "port": 6379, "db": 0, "username": "u",
+                            "password": "p@ss"}),
+    ("rediss://h:6380/0?ssl_ca_certs=/ca.pem&ssl_cert_reqs=none",
+     {"ssl": True, "ssl_ca_certs": "/ca.pem", "ssl_cert_reqs": 0}),
+])
+def test_redis_url_grammar(url: str, expected: dict[str, object]) -> None:
+    got = parse_redis_url(url)
+    assert {k: got[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("url", [
+    "redis://h/notadb", "redis://h:99999/0", "redis://h/0?ssl_ca_certs=/x",
+    "rediss://h/0?ssl_verify=yes", "rediss://h/0?ssl_cert_reqs=maybe", "etcd+https://h?cert=x",
+    "etcd://h?ca_cert=/x", "etcd+https://h?cert_cert=/c", "etcd://u@h", "mysql://h",
+])
+def test_bad_urls_are_config_errors_naming_the_setting(url: str) -> None:
+    with pytest.raises(ConfigError, match="crawl_lease_url"):
+        open_store(url, namespace="x")
+
+
+def test_password_never_appears_in_errors() -> None:
+    store = open_store(f"redis://u:s3cret@127.0.0.1:{free_port()}/0", namespace="x",
+                       timeout_s=0.5)
+    try:
+        with pytest.raises(CrawlError) as info:
+            store.holder("a")
+        assert "s3cret" not in str(info.value) and "***" in str(info.value)
+    finally:
+        store.close()
+
+
+# -- etcd -------------------------------------------------------------------------------------
+def test_etcd_ttl_floor_and_whole_seconds(etcd_server: EtcdServer) -> None:
+    store = open_store(etcd_server.url, namespace="floor")
+    try:
+        with pytest.raises(ConfigError, match="floor of 2s"):
+            store.acquire("a", 1.5, "h")
+        lease = store.acquire("a", 2.2, "h")
+        assert lease is not None and lease.ttl_s == 3.0
+    finally:
+        store.close()
+
+
+def test_etcd_endpoint_list_fails_over_to_a_live_member(etcd_server: EtcdServer) -> None:
+    url = f"etcd://127.0.0.1:{free_port()},127.0.0.1:{etcd_server.client_port}"
+    store = open_store(url, namespace="multi", timeout_s=2.0)
+    try:
+        lease = store.acquire("a", 5, "h")
+        assert lease is not None
+    finally:
+        store.close()
+
+
+def test_etcd_store_refuses_use_in_a_forked_child(etcd_server: EtcdServer) -> None:
+    store = open_store(etcd_server.url, namespace="fork")
+    try:
+        store.holder("a")
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                store.holder("a")
+            except UnsupportedSetup:
+                os._exit(0)
+            os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert store.holder("a") is None, "the parent keeps working"
+    finally:
+        store.close()
+
+
+def test_etcd_refuses_when_protobuf_upb_is_already_loaded(etcd_server: EtcdServer) -> None:
+    code = (
+        "import os; os.environ.pop('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION', None)\n"
+        "from google.protobuf.internal import api_implementation\n"
+        "assert api_implementation.Type() != 'python', api_implementation.Type()\n"
+        "from celery_crawl.errors import CrawlError\n"
+        "from celery_crawl.leases import open_store\n"
+        "try:\n"
+        f"    open_store({etcd_server.url!r}, namespace='x')\n"
+        "except CrawlError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "REFUSED" in out.stdout and "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" in out.stdout
+
+
+def test_etcd_keeps_grpc_fork_noise_out_of_logs(etcd_server: EtcdServer) -> None:
+    code = (
+        "import os, threading\n"
+        "from celery_crawl.leases import open_store\n"
+        f"s = open_store({etcd_server.url!r}, namespace='noise')\n"
+        "stop = []\n"
+        "def loop():\n"
+        "    while not stop: s.holder('x')\n"
+        "t = threading.Thread(target=loop); t.start()\n"
+        "for _ in range(10):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0: os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n"
+        "stop.append(1); t.join(); print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == "OK", out.stderr
+    assert "fork" not in out.stderr, out.stderr
