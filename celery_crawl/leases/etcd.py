@@ -218,12 +218,19 @@ class EtcdLeaseStore:
         self._lease_stub = self._rpc.LeaseStub(self._channel)
         self._maint = self._rpc.MaintenanceStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] | None = None
-        if opts["user"] is not None:
-            req = self._rpc.AuthenticateRequest(name=opts["user"], password=opts["password"])
-            with self._translate("authenticate"):
-                resp = self._rpc.AuthStub(self._channel).Authenticate(req,
-                                                                      timeout=self.timeout_s)
-            self._metadata = (("token", resp.token),)
+        self._credentials = (opts["user"], opts["password"]) if opts["user"] else None
+        self._authenticate()
+
+    def _authenticate(self) -> None:
+        """Get an auth token (etcd's simple tokens lapse after 5 idle minutes)."""
+        if self._credentials is None:
+            return
+        user, password = self._credentials
+        req = self._rpc.AuthenticateRequest(name=user, password=password)
+        with self._translate("authenticate"):
+            self.round_trips += 1
+            resp = self._rpc.AuthStub(self._channel).Authenticate(req, timeout=self.timeout_s)
+        self._metadata = (("token", resp.token),)
 
     def _open_channel(self, opts: dict[str, Any]) -> Any:
         grpc = self._grpc
@@ -286,6 +293,14 @@ class EtcdLeaseStore:
             raise StoreUnavailable(f"{self.url}: {what}: {exc}") from exc
 
     def _call(self, what: str, method: Any, request: Any) -> Any:
+        try:
+            with self._translate(what):
+                self.round_trips += 1
+                return method(request, timeout=self.timeout_s, metadata=self._metadata)
+        except StoreUnavailable as exc:
+            if self._credentials is None or "auth token" not in str(exc):
+                raise
+        self._authenticate()  # the token lapsed: once more with a fresh one
         with self._translate(what):
             self.round_trips += 1
             return method(request, timeout=self.timeout_s, metadata=self._metadata)
@@ -610,8 +625,8 @@ class EtcdLeaseStore:
             ops = []
             for key, value in batch:
                 ops.append(self._put(self._k("rec", key), _dumps(value, key), record_lease))
-                if lease is not None:
-                    ops.append(self._put(self._k("rtok", key), _pad(lease.token)))
+                if lease is not None:  # the writer token expires with its record
+                    ops.append(self._put(self._k("rtok", key), _pad(lease.token), record_lease))
             self._fenced_txn("put", [k for k, _ in batch], ops, lease)
 
     def _fenced_txn(self, what: str, keys: Sequence[str], ops: Sequence[Any],
@@ -660,9 +675,7 @@ class EtcdLeaseStore:
 
     def delete(self, key: str, *, lease: Lease | None = None) -> bool:
         """Delete a record (fenced when ``lease`` is given); True if it existed."""
-        ops = [self._del(self._k("rec", key))]
-        if lease is not None:
-            ops.append(self._del(self._k("rtok", key)))
+        ops = [self._del(self._k("rec", key)), self._del(self._k("rtok", key))]
         resp = self._fenced_txn("delete", [key], ops, lease)
         return bool(resp.responses[0].response_delete_range.deleted)
 

@@ -197,3 +197,28 @@ def test_etcd_keeps_grpc_fork_noise_out_of_logs(etcd_server: EtcdServer) -> None
                          text=True, timeout=60)
     assert out.stdout.strip() == "OK", out.stderr
     assert "fork" not in out.stderr, out.stderr
+
+
+def test_etcd_user_and_password(fresh_etcd: EtcdServer) -> None:
+    ctl = ["etcdctl", f"--endpoints=127.0.0.1:{fresh_etcd.client_port}"]
+    env = {**os.environ, "ETCDCTL_API": "3"}
+    for args in (["user", "add", "root:s3cret"], ["auth", "enable"]):
+        subprocess.run(ctl + args, check=True, capture_output=True, timeout=20, env=env)
+    host = f"127.0.0.1:{fresh_etcd.client_port}"
+    store = open_store(f"etcd://root:s3cret@{host}", namespace="auth")
+    try:
+        lease = store.acquire("a", 5, "h")
+        assert lease is not None and store.renew(lease).token == lease.token
+        store.put("r", {"ok": 1}, lease=lease)
+        assert store.get("r") == {"ok": 1}
+    finally:
+        store.close()
+    with pytest.raises(CrawlError) as info:
+        open_store(f"etcd://root:wrong@{host}", namespace="auth", timeout_s=1.0)
+    assert "wrong" not in str(info.value)
+    anonymous = open_store(f"etcd://{host}", namespace="auth", timeout_s=1.0)
+    try:
+        with pytest.raises(CrawlError):
+            anonymous.holder("a")
+    finally:
+        anonymous.close()
