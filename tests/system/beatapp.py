@@ -7,7 +7,11 @@ Configured from the environment:
 * ``CRAWL_B_TTL`` — ``crawl_beat_lease_ttl``; ``CRAWL_B_SINK`` — Redis URL the task records to;
 * ``CRAWL_B_ENTRIES`` — how many every-second entries (``e0``, ``e1`` ...), default 2;
 * ``CRAWL_B_CRON`` — their cron expression (default every second, 6 fields);
-* ``CRAWL_B_METRICS`` — ``crawl_metrics_port``.
+* ``CRAWL_B_INTERVAL`` — use a Celery interval of this many seconds instead (so stock beat and
+  RedBeat, which cannot store a TzCron, run the same burst);
+* ``CRAWL_B_METRICS`` — ``crawl_metrics_port``;
+* ``CRAWL_B_REDBEAT_URL`` / ``CRAWL_B_REDBEAT_LOCK`` / ``CRAWL_B_MAX_LOOP`` — RedBeat's Redis,
+  lock timeout and ``beat_max_loop_interval`` (benchmark only).
 
 ``record`` appends one JSON line ``{entry, slot, id, token, manual}`` to the sink list ``runs``,
 so a test can check every (entry, slot) ran exactly once.
@@ -27,6 +31,8 @@ from celery_crawl.schedules import TzCron
 _env = os.environ.get
 
 app = Celery("beattest", broker=_env("CRAWL_B_BROKER"))
+_schedule: Any = (float(_env("CRAWL_B_INTERVAL", "0")) if _env("CRAWL_B_INTERVAL")
+                  else TzCron(_env("CRAWL_B_CRON", "* * * * * *"), "UTC"))
 app.conf.update(
     broker_transport_options={"socket_timeout": 5, "socket_connect_timeout": 5},
     broker_connection_retry_on_startup=True,
@@ -42,11 +48,16 @@ app.conf.update(
     crawl_store_timeout=1.0,
     crawl_metrics_port=int(_env("CRAWL_B_METRICS")) if _env("CRAWL_B_METRICS") else None,
     beat_schedule={
-        f"e{i}": {"task": "beatapp.record", "schedule": TzCron(_env("CRAWL_B_CRON",
-                                                                     "* * * * * *"), "UTC")}
+        f"e{i}": {"task": "beatapp.record", "schedule": _schedule}
         for i in range(int(_env("CRAWL_B_ENTRIES", "2")))
     },
 )
+if _env("CRAWL_B_REDBEAT_URL"):
+    app.conf.redbeat_redis_url = _env("CRAWL_B_REDBEAT_URL")
+    if _env("CRAWL_B_REDBEAT_LOCK"):
+        app.conf.redbeat_lock_timeout = int(_env("CRAWL_B_REDBEAT_LOCK", "0"))
+if _env("CRAWL_B_MAX_LOOP"):
+    app.conf.beat_max_loop_interval = float(_env("CRAWL_B_MAX_LOOP", "0"))
 
 _sink: redis.Redis | None = None
 
