@@ -69,14 +69,20 @@ class RedisBroker:
 
     kind = "redis"
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, timeout_s: float = 5.0) -> None:
         self._app = app
+        self._timeout_s = timeout_s
         self._conn: Any = None
         self._channel: Any = None
 
     def _chan(self) -> Any:
         if self._channel is None:
-            conn = self._app.connection_for_write()
+            # Bounded even when the app left the broker's socket timeouts unset: a hung broker
+            # must not wedge the maintenance thread.
+            options = dict(self._app.conf.broker_transport_options or {})
+            options.setdefault("socket_timeout", self._timeout_s)
+            options.setdefault("socket_connect_timeout", self._timeout_s)
+            conn = self._app.connection_for_write(transport_options=options)
             conn.ensure_connection(max_retries=1)
             self._conn = conn
             self._channel = conn.channel()
@@ -134,9 +140,9 @@ def _tag(tag: Any) -> Any:
     return tag.decode() if isinstance(tag, bytes) else tag
 
 
-def broker_ops(app: Any) -> BrokerOps:
+def broker_ops(app: Any, *, timeout_s: float = 5.0) -> BrokerOps:
     """The broker operations for ``app``'s broker transport."""
     driver = app.connection_for_write().transport.driver_type
     if driver == "redis":
-        return RedisBroker(app)
+        return RedisBroker(app, timeout_s=timeout_s)
     return AmqpBroker()

@@ -9,8 +9,7 @@ never renewed again: the next one is acquired under a *new* holder id, so claims
 old one stay orphaned for the reaper and can never be mistaken for live ones.
 
 Periodic hooks (the reaper, keeping our unacked broker entries fresh, retrying completion writes
-that failed) run on the same thread after each renewal attempt, so a slow hook delays renewal by
-at most its own store/broker timeout.
+that failed) run on a second thread, so a slow broker or a long reaper pass never delays renewal.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ class Keeper:
         ttl_s: ``crawl_worker_lease_ttl``.
         on_lost: called (on the keeper thread) with a reason when the lease is lost.
         on_acquired: called (on the keeper thread) with the lease after a *re*-acquisition.
-        hooks: called after every renewal attempt (exceptions are logged, never raised).
+        hooks: called every ``min(1 s, ttl/3)`` on their own thread (exceptions are logged).
         clock: ``CLOCK_BOOTTIME`` seconds; injectable for tests.
     """
 
@@ -83,6 +82,7 @@ class Keeper:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._hooks_thread: threading.Thread | None = None
         self._next_renew = 0.0
         self.renew_ok = 0
         self.renew_failed = 0
@@ -137,12 +137,16 @@ class Keeper:
         """Start the renewal thread (after ``acquire_blocking``)."""
         self._thread = threading.Thread(target=self._run, name="crawl-lease", daemon=True)
         self._thread.start()
+        self._hooks_thread = threading.Thread(target=self._run_hooks, name="crawl-lease-hooks",
+                                              daemon=True)
+        self._hooks_thread.start()
 
     def stop(self, *, release: bool = True) -> None:
         """Stop renewing and (by default) release the lease so our claims are reaped at once."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.ttl_s + 5)
+        for thread in (self._thread, self._hooks_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=self.ttl_s + 5)
         with self._lock:
             lease, self._lease = self._lease, None
         if release and lease is not None:
@@ -154,8 +158,12 @@ class Keeper:
     # -- the loop --------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.tick()
+            self.tick(hooks=False)
             self._stop.wait(self._delay())
+
+    def _run_hooks(self) -> None:
+        while not self._stop.wait(min(1.0, self.interval_s)):
+            self.run_hooks()
 
     def _delay(self) -> float:
         with self._lock:
@@ -164,8 +172,8 @@ class Keeper:
             return min(1.0, self.interval_s)
         return max(0.05, min(self._next_renew - self.clock(), self.interval_s))
 
-    def tick(self) -> None:
-        """One renewal attempt (or acquisition while holding none), then the hooks."""
+    def tick(self, *, hooks: bool = True) -> None:
+        """One renewal attempt (or acquisition while holding none), then (``hooks``) the hooks."""
         now = self.clock()
         with self._lock:
             lease = self._lease
@@ -184,12 +192,17 @@ class Keeper:
             )
         elif now >= self._next_renew:
             self._renew(lease)
+        self._publish_metrics()
+        if hooks:
+            self.run_hooks()
+
+    def run_hooks(self) -> None:
+        """Run every periodic hook once; a failing hook is logged, never raised."""
         for hook in self.hooks:
             try:
                 hook()
-            except Exception as exc:  # a hook must never stop renewal
+            except Exception as exc:
                 logger.warning("celery-crawl: periodic %s failed: %s", _name(hook), exc)
-        self._publish_metrics()
 
     def _acquire(self, *, reacquire: bool = False) -> Lease | None:
         if reacquire:

@@ -94,7 +94,7 @@ class LeaseStep(bootsteps.StartStopStep):
     def start(self, w: Any) -> None:
         config = self.config
         self.store = _open_store(config)
-        self.broker = broker_ops(self.app)
+        self.broker = broker_ops(self.app, timeout_s=max(2.0, config.store_timeout_s))
         self.keeper = Keeper(self.store, ttl_s=config.worker_lease_ttl_s,
                              on_lost=self._lost_from_thread,
                              on_acquired=self._acquired_from_thread)

@@ -62,7 +62,8 @@ def test_sigstop_beyond_ttl_is_cancelled_and_fenced(
         stale = [r for r in runs(combo, key, "finished") if r["host"] == ws.hostname(victim)]
         if pool == "prefork":
             # Its child was killed before it could finish.
-            assert "cancelled 1 running" in victim_proc.log()
+            wait_until(lambda: "cancelled 1 running" in victim_proc.log(), 10,
+                       what="the stale run cancelled")
             assert stale == []
         else:
             # A thread cannot be interrupted: its late write is refused by the fenced sink.
@@ -136,7 +137,7 @@ def test_store_unreachable_longer_than_ttl(
             wait_until(lambda: "worker lease lost" in proc.log(), 3 * TTL_S + 10,
                        what="lease loss noticed")
             wait_until(lambda: "not consuming tasks" in proc.log(), 10, what="consumption stop")
-            assert "cancelled 1 running" in proc.log()
+            wait_until(lambda: "cancelled 1 running" in proc.log(), 10, what="task cancelled")
             send(combo, later, 0.2)
             # Fails closed: nothing runs while no lease is held (checked once the store is
             # back: the later task starts only after the new lease).
