@@ -113,6 +113,22 @@ def test_tls_untrusted_certificates_refused(tls_redis: SecureRedis, tls_user: tu
     assert_no_secret(all_logs.text, [tls_user[1]], "the logs")
 
 
+def test_server_certificate_for_another_host_refused(tls_redis: SecureRedis) -> None:
+    """A certificate from the trusted CA but issued for another host name is a
+    man-in-the-middle's certificate: the host name must be checked."""
+    pki = tls_redis.pki
+    assert pki is not None
+    imposter = SecureRedis(pki, cert=pki.other_host_cert, key=pki.other_host_key)
+    imposter.start()
+    try:
+        password = imposter.add_user("crawler", ["~*", "&*", "+@all"])
+        url = imposter.url("crawler", password, **imposter.tls_query())
+        assert_refused(lambda: _connect(url), url, secrets=[password], expect=REFUSED,
+                       bound_s=BOUND_S)
+    finally:
+        imposter.cleanup()
+
+
 def test_plain_tcp_to_tls_port_refused(tls_redis: SecureRedis,
                                        tls_user: tuple[str, str]) -> None:
     url = tls_redis.url(*tls_user).replace("rediss://", "redis://", 1)

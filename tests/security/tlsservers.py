@@ -64,6 +64,7 @@ class Pki:
         rogue_server_cert/rogue_server_key: server certificate signed by ``rogue_ca``.
         rogue_client_cert/rogue_client_key: client certificate signed by ``rogue_ca``.
         expired_client_cert/expired_client_key: client certificate by ``ca`` that has expired.
+        other_host_cert/other_host_key: server certificate by ``ca`` for ``other.example`` only.
     """
 
     dir: Path
@@ -79,6 +80,8 @@ class Pki:
     rogue_client_key: Path
     expired_client_cert: Path
     expired_client_key: Path
+    other_host_cert: Path
+    other_host_key: Path
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -127,7 +130,7 @@ def _authority(cn: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
 
 def _leaf(
     ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], cn: str, *, server: bool,
-    expired: bool = False,
+    expired: bool = False, names: tuple[str, ...] = ("localhost", "127.0.0.1"),
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     ca_cert, ca_key = ca
     key = _key()
@@ -151,9 +154,13 @@ def _leaf(
             ca_key.public_key()), critical=False)
     )
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName([
-            x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False)
+        sans: list[x509.GeneralName] = []
+        for name in names:
+            try:
+                sans.append(x509.IPAddress(ipaddress.ip_address(name)))
+            except ValueError:
+                sans.append(x509.DNSName(name))
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     return builder.sign(ca_key, hashes.SHA256()), key
 
 
@@ -177,6 +184,7 @@ def make_pki(directory: Path) -> Pki:
     save("rogue_server", _leaf(rogue, "localhost", server=True))
     save("rogue_client", _leaf(rogue, "crawl-client", server=False))
     save("expired_client", _leaf(ca, "crawl-client", server=False, expired=True))
+    save("other_host", _leaf(ca, "other.example", server=True, names=("other.example",)))
     return Pki(
         dir=directory, ca=files["ca_cert"], server_cert=files["server_cert"],
         server_key=files["server_key"], client_cert=files["client_cert"],
@@ -185,6 +193,7 @@ def make_pki(directory: Path) -> Pki:
         rogue_client_cert=files["rogue_client_cert"], rogue_client_key=files["rogue_client_key"],
         expired_client_cert=files["expired_client_cert"],
         expired_client_key=files["expired_client_key"],
+        other_host_cert=files["other_host_cert"], other_host_key=files["other_host_key"],
     )
 
 
@@ -290,23 +299,28 @@ class AclRedis(_RedisBase):
 
 
 class SecureRedis(_RedisBase):
-    """redis-server speaking only TLS, requiring client certificates signed by ``pki.ca``."""
+    """redis-server speaking only TLS, requiring client certificates signed by ``pki.ca``.
+
+    ``cert``/``key`` replace the server certificate (e.g. one issued for another host name);
+    the administrative client skips the host-name check so it can manage such a server.
+    """
 
     tls = True
 
-    def __init__(self, pki: Pki) -> None:
+    def __init__(self, pki: Pki, *, cert: Path | None = None, key: Path | None = None) -> None:
         super().__init__(pki)
+        self.cert = cert or pki.server_cert
+        self.key = key or pki.server_key
 
     def _listen_args(self) -> list[str]:
         assert self.pki is not None
         return ["--port", "0", "--tls-port", str(self.port),
-                "--tls-cert-file", str(self.pki.server_cert),
-                "--tls-key-file", str(self.pki.server_key),
+                "--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
                 "--tls-ca-cert-file", str(self.pki.ca), "--tls-auth-clients", "yes"]
 
     def client_kwargs(self) -> dict[str, object]:
         assert self.pki is not None
-        return {"ssl": True, "ssl_ca_certs": str(self.pki.ca),
+        return {"ssl": True, "ssl_ca_certs": str(self.pki.ca), "ssl_check_hostname": False,
                 "ssl_certfile": str(self.pki.client_cert),
                 "ssl_keyfile": str(self.pki.client_key), "ssl_cert_reqs": "required"}
 
