@@ -18,6 +18,7 @@ import pytest
 from celery import Celery
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from celery_crawl import keys
 from celery_crawl.beat import LeasedScheduler
@@ -25,6 +26,8 @@ from celery_crawl.beat.commands import parse_command
 from celery_crawl.beat.state import EntryState, SkipLog
 from celery_crawl.errors import StoreDataError
 from celery_crawl.schedules import TzCron
+from tests.security.leaks import assert_no_secret
+from tests.security.tlsservers import AclRedis
 from tests.servers import RedisServer
 
 EVERY_SECOND = TzCron("* * * * * *", "UTC")
@@ -132,3 +135,31 @@ def test_leader_keeps_dispatching_past_garbage_state(redis_server: RedisServer,
     while (msg := broker.rpop(f"q-{ns}")) is not None:
         entries.add(json.loads(msg)["headers"].get("crawl_entry"))
     assert entries == {"a", "b", "c"}, f"entries dispatched: {sorted(entries)}"
+
+
+def test_beat_logs_info_and_metrics_carry_no_password(acl_redis: AclRedis,
+                                                      all_logs: pytest.LogCaptureFixture) -> None:
+    """A leader whose lease store and broker need a password: the password is in none of its
+    log lines, its ``celery beat`` banner line (``Scheduler.info``) or the process's metrics."""
+    password = acl_redis.add_user("beat", ["~*", "&*", "+@all"])
+    ns = f"beatpw{uuid.uuid4().hex[:6]}"
+    app = Celery(ns, set_as_current=False)
+    app.conf.update(
+        broker_url=acl_redis.url("beat", password, db=1),
+        crawl_lease_url=acl_redis.url("beat", password), crawl_namespace=ns,
+        crawl_beat_lease_ttl=1.5, crawl_schedule_paths=[],
+        beat_schedule={"a": {"task": "t.record", "schedule": EVERY_SECOND}},
+        task_default_queue=f"q-{ns}", broker_connection_timeout=5,
+    )
+    scheduler = LeasedScheduler(app)
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            time.sleep(min(max(scheduler.tick(), 0.0), 0.05))
+        info = scheduler.info
+        assert scheduler.election.is_leader
+    finally:
+        scheduler.close()
+    assert_no_secret(str(info), [password], "the scheduler banner")
+    assert_no_secret(all_logs.text, [password], "the beat's logs")
+    assert_no_secret(generate_latest().decode(), [password], "the metrics")
