@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from datetime import date, time
@@ -37,7 +38,7 @@ from ..errors import ConfigError, ScheduleError, ScheduleFileError
 from .cron import CronExpr
 from .entry import CATCHUP_POLICIES, OVERLAP_POLICIES, EntrySpec
 from .slots import FOLD_POLICIES, GAP_POLICIES
-from .tzcron import TzCron
+from .tzcron import TzCron, jitter_seconds
 from .zones import load_zone
 
 __all__ = [
@@ -150,11 +151,24 @@ def load_schedule_files(patterns: Sequence[str], *, base_dir: str | Path = ".") 
 
 
 def _read_bytes(path: Path, shown: str) -> bytes:
+    """The file's bytes, refusing anything but a regular file of at most ``MAX_FILE_BYTES``.
+
+    Opened non-blocking and checked with ``fstat`` on the open descriptor: a FIFO would block
+    the beat forever on ``open``, and ``/dev/zero`` never ends.
+    """
     try:
-        with path.open("rb") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ScheduleFileError(f"cannot read: {exc.strerror or exc}", file=shown) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ScheduleFileError("not a regular file", file=shown)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
             data = fh.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ScheduleFileError(f"cannot read: {exc.strerror or exc}", file=shown) from exc
+    finally:
+        os.close(fd)
     if len(data) > MAX_FILE_BYTES:
         raise ScheduleFileError(
             f"larger than {MAX_FILE_BYTES} bytes; a schedule file should be small", file=shown
@@ -305,7 +319,7 @@ def _build_entry(
         take("tz", _zone, None)
     take("gap", _choice("gap", GAP_POLICIES), "shift")
     take("fold", _choice("fold", FOLD_POLICIES), "first")
-    take("jitter", _duration("jitter"), 0.0)
+    take("jitter", _jitter, 0.0)
     take("args", _args, ())
     take("kwargs", _kwargs, {})
     take("queue", _queue, None)
@@ -399,6 +413,12 @@ def _duration(field: str) -> Callable[[object], float]:
         return seconds
 
     return convert
+
+
+def _jitter(value: object) -> float:
+    if isinstance(value, date | time | list | dict):
+        raise ValueError(f"expected a duration like '30s', got {_tname(value)}")
+    return jitter_seconds(value)
 
 
 def _json_safe(value: object, where: str) -> None:

@@ -88,7 +88,13 @@ class SlotRule:
         cached = self._memo.get(a)
         if cached is not None:
             return cached
-        result = self._next_slot(a, after)
+        try:
+            result = self._next_slot(a, after)
+        except OverflowError as exc:
+            raise ScheduleError(
+                f"cron {self.cron.expr!r} in {self.tz.key}: no run after {after.isoformat()} "
+                "within the dates Python can represent"
+            ) from exc
         if len(self._memo) >= _MEMO_SIZE:
             self._memo.clear()
         self._memo[a] = result

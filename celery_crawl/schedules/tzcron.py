@@ -25,23 +25,39 @@ from .jitter import jitter_offset_s
 from .slots import SlotRule
 from .zones import load_zone
 
-__all__ = ["TzCron"]
+__all__ = ["MAX_JITTER_S", "TzCron", "jitter_seconds"]
 
+#: Upper bound of ``jitter``: it spreads runs within their interval; a month is already generous.
+MAX_JITTER_S = 31 * 86400.0
 _DICT_KEYS = ("expr", "tz", "name", "gap", "fold", "jitter")
 _KIND = "tzcron"
 
 
-def _jitter_s(value: object) -> float:
+def jitter_seconds(value: object) -> float:
+    """Validate a jitter (seconds, or a duration string such as ``"30s"``) as float seconds.
+
+    Raises:
+        ScheduleError: for a negative, non-finite, non-numeric or over-31-day value.
+    """
     if isinstance(value, str):
         try:
-            return parse_duration(value, what="jitter")
+            seconds = parse_duration(value, what="jitter")
         except ConfigError as exc:
             raise ScheduleError(str(exc)) from exc
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    elif isinstance(value, bool) or not isinstance(value, int | float):
         raise ScheduleError(f"jitter: expected seconds (a number), got {type(value).__name__}")
-    seconds = float(value)
+    else:
+        try:
+            seconds = float(value)
+        except OverflowError as exc:
+            raise ScheduleError(f"jitter: {value!r} is far too large") from exc
     if not math.isfinite(seconds) or seconds < 0:
         raise ScheduleError(f"jitter: must be a finite number of seconds >= 0, got {value!r}")
+    if seconds > MAX_JITTER_S:
+        raise ScheduleError(
+            f"jitter: {value!r} is more than 31 days; jitter spreads runs within their "
+            "interval, it is not a schedule of its own"
+        )
     return seconds
 
 
@@ -91,7 +107,7 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         self._cron = cron_expr(expr, hash_id=name)
         self._zone = load_zone(tz)
         self._rule = SlotRule(self._cron, self._zone, gap=gap, fold=fold)
-        self._jitter_s = _jitter_s(jitter)
+        self._jitter_s = jitter_seconds(jitter)
         super().__init__(nowfun=nowfun, app=app)
 
     # -- description ---------------------------------------------------------------------------
@@ -157,9 +173,11 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         slot = _aware_utc(slot, "slot")
         if self._jitter_s <= 0:
             return slot
-        room_s = (self._rule.next_slot(slot) - slot).total_seconds()
-        offset = jitter_offset_s(self._name, slot, self._jitter_s, room_s)
-        return slot + timedelta(seconds=offset)
+        try:
+            return self._fire_between(slot, self._rule.next_slot(slot))
+        except OverflowError as exc:
+            raise ScheduleError(f"{self!r}: no fire time for {slot.isoformat()} within the "
+                                "dates Python can represent") from exc
 
     def _around(self, a: datetime) -> tuple[datetime | None, datetime]:
         """The last slot at or before ``a`` if it is within ``jitter`` of it, and the first
@@ -203,12 +221,16 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         a = after.astimezone(UTC)
         if self._jitter_s <= 0:
             return self._rule.next_slot(a)
-        previous, slot = self._around(a)
-        if previous is not None:
-            fire = self._fire_between(previous, slot)
-            if fire > a:
-                return fire
-        return self._fire_between(slot, self._rule.next_slot(slot))
+        try:
+            previous, slot = self._around(a)
+            if previous is not None:
+                fire = self._fire_between(previous, slot)
+                if fire > a:
+                    return fire
+            return self._fire_between(slot, self._rule.next_slot(slot))
+        except OverflowError as exc:
+            raise ScheduleError(f"{self!r}: no fire after {after.isoformat()} within the dates "
+                                "Python can represent") from exc
 
     def fires(self, start: datetime, end: datetime) -> Iterator[tuple[datetime, datetime]]:
         """``(slot, fire instant)`` pairs for the fires in ``(start, end]``, in order."""

@@ -117,7 +117,8 @@ ENTRY = '[entries.e]\ntask = "t.x"\ncron = "0 1 * * *"\ntz = "UTC"\n'
         ('gap = "later"\n', "gap", "not one of"),
         ('fold = 2\n', "fold", "not one of"),
         ('jitter = "soon"\n', "jitter", "not a duration"),
-        ('jitter = -5\n', "jitter", "negative"),
+        ('jitter = -5\n', "jitter", ">= 0"),
+        ('jitter = "40d"\n', "jitter", "more than 31 days"),
         ('catchup_window = [1]\n', "catchup_window", "duration"),
         ('catchup_max = 0\n', "catchup_max", ">= 1"),
         ('catchup_max = true\n', "catchup_max", "integer"),
@@ -343,3 +344,15 @@ def test_base_dir_with_glob_characters_is_literal(tmp_path):
     write(base, "a.toml", ENTRY)
     result = load_schedule_files(["*.toml", "a.toml"], base_dir=base)
     assert result.errors == [] and list(result.entries) == ["e"] and result.files == ["a.toml"]
+
+
+def test_special_files_are_refused_without_blocking(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo.toml")  # a blocking open() would hang here
+    (tmp_path / "zero.toml").symlink_to("/dev/zero")
+    write(tmp_path, "good.toml", ENTRY)
+    result = load_schedule_files(["*.toml"], base_dir=tmp_path)
+    assert list(result.entries) == ["e"]
+    assert sorted((e.file, e.reason) for e in result.errors) == [
+        ("fifo.toml", "not a regular file"), ("zero.toml", "not a regular file")]

@@ -171,6 +171,8 @@ def test_special_syntax_and_aliases():
         (("0 2 * * *", "UTC"), {"jitter": True}, "jitter"),
         (("0 2 * * *", "UTC"), {"jitter": "soon"}, "jitter"),
         (("0 2 * * *", "UTC"), {"name": ""}, "name"),
+        (("0 2 * * *", "UTC"), {"jitter": 32 * 86400}, "more than 31 days"),
+        (("0 2 * * *", "UTC"), {"jitter": 10**400}, "far too large"),
     ],
 )
 def test_errors_are_schedule_errors_naming_the_input(args, kwargs, needle):
@@ -178,6 +180,13 @@ def test_errors_are_schedule_errors_naming_the_input(args, kwargs, needle):
         TzCron(*args, **kwargs)
     assert isinstance(info.value, CrawlError)
     assert needle in str(info.value)
+
+
+def test_end_of_representable_time_is_a_schedule_error():
+    for jitter in (0, 30):
+        cron = TzCron("0 2 * * *", "America/New_York", jitter=jitter)
+        with pytest.raises(ScheduleError, match=r"dates Python can represent|no further"):
+            cron.next_fire(datetime(9999, 12, 31, 12, tzinfo=UTC))
 
 
 def test_naive_after_is_refused():
