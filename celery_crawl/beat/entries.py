@@ -85,7 +85,8 @@ class CelerySlotSource:
     """Slots of a Celery ``schedule``/``crontab``/``solar``: each due instant, to the second.
 
     ``next_slot(after) = now + remaining_estimate(after)``, which for every Celery schedule is
-    ``after``'s next due instant whatever ``now`` is; a plain interval is computed directly so
+    ``after``'s next due instant whatever ``now`` is (rounded to the second, because the two
+    reads of ``now`` differ by microseconds); a plain interval is computed directly so
     consecutive slots are exactly ``run_every`` apart.
     """
 
@@ -114,7 +115,8 @@ class CelerySlotSource:
         rem = self.schedule.remaining_estimate(after)
         if rem is None:
             return None
-        nxt = _floor_s(now + rem)
+        # ``now`` here and the one inside remaining_estimate differ by microseconds: round.
+        nxt = _floor_s(now + rem + timedelta(milliseconds=500))
         if nxt <= after:
             nxt = _floor_s(after) + timedelta(seconds=1)
         return nxt

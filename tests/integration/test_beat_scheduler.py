@@ -32,17 +32,17 @@ EVERY_SECOND = TzCron("* * * * * *", "UTC")
 
 def make_app(server: RedisServer, ns: str, schedule: dict[str, Any], **conf: Any) -> Celery:
     app = Celery(ns, set_as_current=False)
-    app.conf.update(
-        broker_url=server.url_db(1),
-        crawl_lease_url=server.url_db(0),
-        crawl_namespace=ns,
-        crawl_beat_lease_ttl=1.5,
-        crawl_schedule_paths=[],
-        beat_schedule=schedule,
-        task_default_queue=f"q-{ns}",
-        broker_connection_timeout=5,
+    app.conf.update({
+        "broker_url": server.url_db(1),
+        "crawl_lease_url": server.url_db(0),
+        "crawl_namespace": ns,
+        "crawl_beat_lease_ttl": 1.5,
+        "crawl_schedule_paths": [],
+        "beat_schedule": schedule,
+        "task_default_queue": f"q-{ns}",
+        "broker_connection_timeout": 5,
         **conf,
-    )
+    })
     return app
 
 
@@ -269,3 +269,28 @@ def test_evicting_redis_is_refused_for_leadership(
     assert not a.election.is_leader
     assert "maxmemory-policy" in (a.election.blocked_reason or "")
     assert any("refusing to lead" in r.getMessage() for r in caplog.records)
+
+
+def test_schedule_files_reload_and_a_broken_file_keeps_its_entries(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler], tmp_path: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = tmp_path / "crawl.toml"
+    path.write_text('[defaults]\ntz = "UTC"\n\n[entries.filed]\ntask = "t.filed"\n'
+                    'cron = "* * * * * *"\nargs = [1]\n')
+    app = make_app(redis_server, ns, {}, crawl_schedule_paths=[str(tmp_path / "*.toml")])
+    a = start(app, opened)
+    run_for([a], 1.5)
+    assert any(m["crawl_entry"] == "filed" for m in drain(redis_server, ns))
+    fp = a.entries["filed"].fingerprint
+    path.write_text("[entries.filed\ntask = ")  # broken: the previous definition stays
+    run_for([a], 1.5)
+    assert a.entries["filed"].fingerprint == fp
+    assert any("keeps its previous schedule" in r.getMessage() for r in caplog.records)
+    assert any(m["crawl_entry"] == "filed" for m in drain(redis_server, ns))
+    path.write_text('[defaults]\ntz = "UTC"\n\n[entries.filed]\ntask = "t.filed"\n'
+                    'cron = "* * * * * *"\nargs = [2]\n')
+    run_for([a], 3.0)
+    assert a.entries["filed"].fingerprint != fp
+    msgs = [m for m in drain(redis_server, ns) if m["crawl_entry"] == "filed"]
+    assert msgs and msgs[-1]["body"][0] == [2]
