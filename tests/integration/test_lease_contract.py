@@ -158,7 +158,7 @@ def test_contenders_never_hold_overlapping_validity_windows(
                 os.killpg(proc.pid, signal.SIGKILL)
     holdings = [json.loads(line) for line in log.read_text().splitlines()]
     assert len({h["holder"] for h in holdings}) >= 2, "no contention happened"
-    assert len(holdings) >= 8, f"only {len(holdings)} holdings in 4 s"
+    assert len(holdings) >= 6, f"only {len(holdings)} holdings in 4 s"
     holdings.sort(key=lambda h: h["start"])
     for before, after in itertools.pairwise(holdings):
         assert before["end"] <= after["start"], f"overlapping validity: {before} and {after}"
