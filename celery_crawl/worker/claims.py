@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 import threading
 import time
@@ -107,6 +108,8 @@ class Held:
     since: float = dataclasses.field(default_factory=time.monotonic)
     message: Any = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Unique per delivery: a message restored twice can reach us twice with the same tag.
+    key: int = dataclasses.field(default_factory=itertools.count(1).__next__)
 
     def as_claim(self) -> Claim:
         """This hold as the store's ``Claim`` (for ``drop_claim``)."""
@@ -117,26 +120,23 @@ class Held:
 
 
 class ClaimBook:
-    """Thread-safe registry of the deliveries this worker holds, keyed by delivery tag.
+    """Thread-safe registry of the deliveries this worker holds (one entry per delivery).
 
-    Pool threads (threads pool callbacks), the event loop and the renewal thread all touch it.
+    Pool threads (threads pool callbacks), the event loop and the maintenance thread all touch it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_tag: dict[Any, Held] = {}
+        self._by_tag: dict[int, Held] = {}
 
     def add(self, held: Held) -> None:
         with self._lock:
-            self._by_tag[held.delivery_tag] = held
+            self._by_tag[held.key] = held
 
-    def get(self, tag: Any) -> Held | None:
+    def pop(self, held: Held) -> Held | None:
+        """Remove ``held``; None if it was not there (already completed or released)."""
         with self._lock:
-            return self._by_tag.get(tag)
-
-    def pop(self, tag: Any) -> Held | None:
-        with self._lock:
-            return self._by_tag.pop(tag, None)
+            return self._by_tag.pop(held.key, None)
 
     def snapshot(self) -> list[Held]:
         with self._lock:
@@ -150,8 +150,9 @@ class ClaimBook:
             return out
 
     def tags(self) -> list[Any]:
+        """Delivery tags of every hold (claimed and parked), without repeats."""
         with self._lock:
-            return list(self._by_tag)
+            return list(dict.fromkeys(h.delivery_tag for h in self._by_tag.values()))
 
     def counts(self) -> tuple[int, int]:
         """``(claimed, parked)``."""

@@ -181,7 +181,7 @@ class LeaseStep(bootsteps.StartStopStep):
         for held in self.book.snapshot():
             if not everything and not held.parked and self._will_run(held):
                 continue
-            self.book.pop(held.delivery_tag)
+            self.book.pop(held)
             if not held.parked and held.token is not None:
                 with contextlib.suppress(StoreError, LeaseLost):
                     self.claimer.drop(held)
@@ -247,10 +247,10 @@ class LeaseStep(bootsteps.StartStopStep):
             decision = Decision(Outcome.PARK, deliveries=held.deliveries)
         outcome = decision.outcome
         if outcome is Outcome.NO_LEASE:
-            self.book.pop(held.delivery_tag)
+            self.book.pop(held)
             self._release(held, "no worker lease held")
         elif outcome is Outcome.DUPLICATE:
-            self.book.pop(held.delivery_tag)
+            self.book.pop(held)
             self.duplicates += 1
             metrics.WORKER_DUPLICATES_PARKED.labels("dropped").inc()
             logger.warning("celery-crawl: %s[%s] already finished (done tombstone); dropping "
@@ -326,7 +326,7 @@ class LeaseStep(bootsteps.StartStopStep):
         would delete the other worker's unacked entry); RabbitMQ knows whether the delivery is
         still ours, so it is settled normally.
         """
-        self.book.pop(held.delivery_tag)
+        self.book.pop(held)
         held.fenced = True
         assert self.store is not None and self.claimer is not None
         ours: bool | None
@@ -348,7 +348,7 @@ class LeaseStep(bootsteps.StartStopStep):
             self._release(held, "claim taken over", requeue=False)
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
-        if self.book.pop(held.delivery_tag) is None:
+        if self.book.pop(held) is None:
             return
         metrics.WORKER_CLAIMS.set(len(self.book))
         assert self.claimer is not None
@@ -550,7 +550,7 @@ class LeaseStep(bootsteps.StartStopStep):
             return
         if self.keeper is None or self.keeper.lease is None:
             return
-        tags = [h.delivery_tag for h in self.book.snapshot() if not h.fenced]
+        tags = list(dict.fromkeys(h.delivery_tag for h in self.book.snapshot() if not h.fenced))
         if tags:
             self.broker.refresh(tags)
 
