@@ -258,3 +258,39 @@ def test_user_confined_to_another_namespace_gets_a_clear_error(acl_redis: AclRed
     exc = assert_refused(lambda: _connect(url, namespace="mine"), url, secrets=[password],
                          expect=StoreError, bound_s=BOUND_S)
     assert "permission" in str(exc).lower()
+
+
+# -- the audited result backend over TLS -------------------------------------------------------
+@pytest.mark.parametrize("case", ["works", "wrong-password"])
+def test_audited_backend_over_tls_masks_its_password(tls_redis: SecureRedis,
+                                                     tls_user: tuple[str, str], case: str,
+                                                     all_logs: pytest.LogCaptureFixture) -> None:
+    from celery import Celery, states
+    from celery.app.task import Context
+
+    user, password = tls_user
+    used = password if case == "works" else _fresh_secret()
+    url = tls_redis.url(user, used, **tls_redis.tls_query()).replace("rediss://",
+                                                                     "crawlrediss://", 1)
+    app = Celery("sec-tls-backend", broker="memory://", backend=url, set_as_current=False)
+    app.conf.update(crawl_namespace=f"tlsb{uuid.uuid4().hex[:6]}",
+                    crawl_lease_url=tls_redis.url(user, password, **tls_redis.tls_query()),
+                    redis_socket_timeout=2, redis_socket_connect_timeout=2,
+                    result_backend_always_retry=False,
+                    # Celery retries a refused password 20 times, a second apart, by default.
+                    result_backend_transport_options={"retry_policy": {
+                        "max_retries": 1, "interval_start": 0, "interval_step": 0.1,
+                        "interval_max": 0.1}})
+    backend = app.backend
+    assert_no_secret(f"{backend.as_uri()} {backend!r}", [password, used], "the backend's uri")
+    task_id = str(uuid.uuid4())
+    if case == "works":
+        backend.store_result(task_id, {"ok": 1}, states.SUCCESS,
+                             request=Context(crawl_claim_token=None, hostname="w"))
+        assert backend.get_task_meta(task_id, cache=False)["result"] == {"ok": 1}
+    else:
+        with pytest.raises(Exception) as info:
+            backend.store_result(task_id, {"ok": 1}, states.SUCCESS,
+                                 request=Context(crawl_claim_token=None, hostname="w"))
+        assert_no_secret(exception_text(info.value), [password, used], "the backend's error")
+    assert_no_secret(all_logs.text, [password, used], "the logs")
