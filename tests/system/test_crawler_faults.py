@@ -47,24 +47,31 @@ def test_worker_killed_mid_crawl_loses_and_duplicates_nothing(
         fresh_redis: RedisServer, site: DemoSite, tmp_path: Path) -> None:
     env = _env(fresh_redis, tmp_path)
     victim = start_worker("victim", env, tmp_path, concurrency=1)
-    survivor = start_worker("survivor", env, tmp_path, concurrency=1)
+    survivor = None
     try:
-        wait_ready(victim, survivor)
+        wait_ready(victim)
         listing = f"{site.url}/listing/k?n=8&item_delay=0.6"
         client_app(env).send_task("workers.crawler.crawl_listing", args=[listing])
-        wait_until(lambda: len(site.hits("/item/k/")) >= 3 and "item/k/" in victim.log(), 30,
-                   what="the crawl under way on both workers")
+        # Kill it while it is inside a fetch, after it has stored a few pages.
+        wait_until(lambda: len(site.hits("/item/k/")) >= 3
+                   and site.hits("/item/k/")[-1]["end"] is None, 30,
+                   what="the victim inside its third fetch")
+        in_flight = site.hits("/item/k/")[-1]["path"]
         victim.kill9()
+        survivor = start_worker("survivor", env, tmp_path, concurrency=1)
         items = [f"{site.url}/item/k/{i}?delay=0.6" for i in range(1, 9)]
         sink = tmp_path / "sink.sqlite3"
         wait_until(lambda: all(rows(sink).get(u, {}).get("outcome") == "ok" for u in items),
                    60, what="every item page stored after the kill")
         got = rows(sink)
         assert sorted(got) == sorted([listing, *items])  # nothing lost, nothing extra
+        # The page being fetched when the worker died was fetched again by the survivor.
+        assert [h["path"] for h in site.hits("/item/k/")].count(in_flight) == 2
         _assert_fenced_history(sink, [listing, *items])
     finally:
         victim.stop()
-        survivor.stop()
+        if survivor is not None:
+            survivor.stop()
 
 
 def test_frozen_worker_cannot_overwrite_the_newer_result(
