@@ -6,7 +6,6 @@ about half a second; ``status`` reads the lease, presence and entry-state record
 
 from __future__ import annotations
 
-import contextlib
 import os
 from datetime import UTC, datetime
 from typing import Any
@@ -93,7 +92,7 @@ def register(group: click.Group) -> None:
             raise click.BadParameter("--end is before --start", param_hint="--end")
         _push(ctx, "backfill", name, start=s, end=e)
 
-    @group.command("status", help="Leader, token, lease left, replicas, workers, next fires.")
+    @group.command("status", help="Leader, token, lease left, replicas, next fires.")
     @click.option("-n", "limit", default=10, show_default=True, help="next fires to show")
     @click.pass_context
     def status(ctx: click.Context, limit: int) -> None:
@@ -123,10 +122,6 @@ def _status(app: Any, store: Any, limit: int) -> None:
         blocked = f"  BLOCKED: {rec['blocked']}" if rec.get("blocked") else ""
         click.echo(f"  {rec.get('id')}  {rec.get('role')}  clock offset {off_s}  "
                    f"last seen {rec.get('last_seen')}{blocked}")
-    with contextlib.suppress(CrawlError):
-        workers = [k for k in store.scan("worker") if k]
-        if workers:
-            click.echo(f"workers:  {len(workers)} records")
     _next_fires(app, store, limit)
 
 
