@@ -84,16 +84,16 @@ class SlotRule:
         """
         if after.tzinfo is None or after.utcoffset() is None:
             raise ScheduleError(f"next_slot needs an aware datetime, got naive {after!r}")
-        a = utc_naive(after)
-        cached = self._memo.get(a)
-        if cached is not None:
-            return cached
         try:
+            a = utc_naive(after)
+            cached = self._memo.get(a)
+            if cached is not None:
+                return cached
             result = self._next_slot(a, after)
         except OverflowError as exc:
             raise ScheduleError(
-                f"cron {self.cron.expr!r} in {self.tz.key}: no run after {after.isoformat()} "
-                "within the dates Python can represent"
+                f"cron {self.cron.expr!r} in {self.tz.key}: cannot compute a run after "
+                f"{after.isoformat()}: outside the dates Python can represent"
             ) from exc
         if len(self._memo) >= _MEMO_SIZE:
             self._memo.clear()
@@ -140,7 +140,10 @@ class SlotRule:
     def slots(self, start: datetime, end: datetime) -> Iterator[datetime]:
         """Nominal slots in ``(start, end]``, in order."""
         current = start
-        end_utc = end.astimezone(UTC)
+        try:
+            end_utc = end.astimezone(UTC)
+        except OverflowError:  # an end past what datetime holds: no end
+            end_utc = datetime.max.replace(tzinfo=UTC)
         while True:
             current = self.next_slot(current)
             if current > end_utc:

@@ -176,8 +176,8 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         try:
             return self._fire_between(slot, self._rule.next_slot(slot))
         except OverflowError as exc:
-            raise ScheduleError(f"{self!r}: no fire time for {slot.isoformat()} within the "
-                                "dates Python can represent") from exc
+            raise ScheduleError(f"{self!r}: cannot compute the fire time of {slot.isoformat()}: "
+                                "outside the dates Python can represent") from exc
 
     def _around(self, a: datetime) -> tuple[datetime | None, datetime]:
         """The last slot at or before ``a`` if it is within ``jitter`` of it, and the first
@@ -218,10 +218,10 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         """
         if not isinstance(after, datetime) or after.tzinfo is None:
             raise ScheduleError(f"next_fire: expected an aware datetime, got {after!r}")
-        a = after.astimezone(UTC)
         if self._jitter_s <= 0:
-            return self._rule.next_slot(a)
+            return self._rule.next_slot(after)
         try:
+            a = after.astimezone(UTC)
             previous, slot = self._around(a)
             if previous is not None:
                 fire = self._fire_between(previous, slot)
@@ -229,13 +229,16 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
                     return fire
             return self._fire_between(slot, self._rule.next_slot(slot))
         except OverflowError as exc:
-            raise ScheduleError(f"{self!r}: no fire after {after.isoformat()} within the dates "
-                                "Python can represent") from exc
+            raise ScheduleError(f"{self!r}: cannot compute a fire after {after.isoformat()}: "
+                                "outside the dates Python can represent") from exc
 
     def fires(self, start: datetime, end: datetime) -> Iterator[tuple[datetime, datetime]]:
         """``(slot, fire instant)`` pairs for the fires in ``(start, end]``, in order."""
         current = start
-        end_utc = end.astimezone(UTC)
+        try:
+            end_utc = end.astimezone(UTC)
+        except OverflowError:  # an end past what datetime holds: no end
+            end_utc = datetime.max.replace(tzinfo=UTC)
         while True:
             fire = self.next_fire(current)
             if fire > end_utc:
