@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import random
+import sys
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -38,7 +39,7 @@ from celery import Celery, Task, signals
 from celery.utils.log import get_task_logger
 
 import celery_crawl
-from celery_crawl.errors import FencedError
+from celery_crawl.errors import ConfigError, FencedError
 
 from .http import FetchError, Page, close_process_fetcher, open_process_fetcher, process_fetcher
 from .links import parse_page
@@ -52,7 +53,18 @@ logger = get_task_logger(__name__)
 # httpx logs every request at INFO; the crawler logs its own decisions instead.
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
-settings = CrawlerSettings.from_env()
+
+
+def _config_exit(exc: ConfigError) -> SystemExit:
+    # A misconfigured worker or beat must not start; say why in one line, not a traceback.
+    sys.stderr.write(f"workers.crawler: configuration error: {exc}\n")
+    return SystemExit(2)
+
+
+try:
+    settings = CrawlerSettings.from_env()
+except ConfigError as _exc:
+    raise _config_exit(_exc) from None
 
 
 def _audited_backend_available() -> bool:
@@ -76,7 +88,10 @@ app = Celery("workers.crawler")
 app.conf.update(settings.celery_conf(audited_backend=_audited_backend_available()))
 # One call: settings validated, worker lease/claim steps registered, LeasedScheduler as the
 # default beat scheduler, deadline propagation on every publish.
-crawl_config = celery_crawl.install(app)
+try:
+    crawl_config = celery_crawl.install(app)
+except ConfigError as _exc:
+    raise _config_exit(_exc) from None
 CrawlTask: type[Task] = _task_base()
 
 _DEADLINE_HEADER = "crawl_deadline"
