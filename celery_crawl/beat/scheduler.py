@@ -358,7 +358,9 @@ class LeasedScheduler(Scheduler):
         self._due = DueHeap()
         self._next_of.clear()
         fresh: list[str] = []
-        for name, entry in self.entries.items():
+        for i, (name, entry) in enumerate(self.entries.items()):
+            if i % 1000 == 999:
+                self._keep_alive()
             key = keys.beat_entry(name)
             record = stored.get(key)
             st: EntryState | None = None
@@ -386,13 +388,24 @@ class LeasedScheduler(Scheduler):
         elif removed:
             log.warning("beat: not garbage-collecting %d unknown entry states while schedule "
                         "files have errors", len(removed))
-        for name in fresh:
+        for i, name in enumerate(fresh):
+            if i % 1000 == 999:
+                self._keep_alive()
             self._queue_state(name)
         self._flush()
-        for name, st in self.states.items():
+        for i, (name, st) in enumerate(self.states.items()):
+            if i % 1000 == 999:
+                self._keep_alive()
             self._schedule(name, st)
         log.info("beat: leading %d entries (%d fresh), next run %s", len(self.states),
                  len(fresh), self._describe_next())
+
+    def _keep_alive(self) -> None:
+        """Renew during long work (promotion with many entries) so the lease cannot lapse."""
+        if self.election.renew_due():
+            self._renew()
+        if not self.election.is_leader:
+            raise LeaseLost("the lease was lost while loading entry states")
 
     def _schedule(self, name: str, st: EntryState) -> None:
         """Put ``name`` on the heap at the fire time of its next slot (or a buffer re-check)."""
