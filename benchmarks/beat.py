@@ -111,6 +111,8 @@ def failover_redbeat(sig: int, lock_s: int | None, loop_s: float | None, cap_s: 
                        interval_s=0.01, what="takeover")
         except AssertionError:
             pttl = client.pttl(lock_key)
+            if pttl < 0:  # released, but the standby sleeps beat_max_loop_interval between tries
+                return f"> {cap_s:.0f} (lock free; standby re-polls every {loop_s or 300:.0f} s)"
             return f"> {cap_s:.0f} (lock TTL left {pttl / 1000:.0f} s)"
         return f"{time.monotonic() - t0:.2f}"
     finally:
