@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from celery_crawl.errors import ConfigError, FencedError
+from tests.procs import ROOT
 from tests.servers import RedisServer
 from workers.crawler import backoff_s
 from workers.demo_site import DemoProxy, DemoSite
@@ -185,3 +186,18 @@ def test_links_are_absolute_same_host_and_unique() -> None:
     title, links = parse_page("http://h:1/dir/", html)
     assert title == "A page"
     assert links == ["http://h:1/a", "http://h:1/dir/c?q=1"]
+
+
+def test_a_misconfigured_worker_stops_with_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import workers.crawler"], capture_output=True, text=True,
+        timeout=60, cwd=str(tmp_path),
+        env={**os.environ, "CRAWL_PROXIES": "direct,ftp://nope", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "workers.crawler: configuration error: CRAWL_PROXIES: 'ftp://nope' is not a URL with "
+        "scheme http | https | socks5"]
