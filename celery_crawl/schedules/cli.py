@@ -94,7 +94,7 @@ def schedules() -> None:
     """The ``crawl schedules`` group."""
 
 
-@schedules.command(name="check")
+@schedules.command(name="check", short_help="Validate schedule files; show next fires.")
 @click.argument("paths", nargs=-1, required=True)
 @click.option("-n", "--count", default=5, show_default=True, type=click.IntRange(1, 1000),
               help="How many upcoming fires to show per entry.")
@@ -125,7 +125,7 @@ def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
         sys.exit(1)
 
 
-@click.command(name="next")
+@click.command(name="next", short_help="Next fires of one entry: zone, UTC, slot, task id.")
 @click.argument("name")
 @click.option("-n", "count", default=5, show_default=True, type=click.IntRange(1, 10000),
               help="How many upcoming fires to show.")
