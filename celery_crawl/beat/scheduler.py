@@ -31,6 +31,7 @@ from .. import keys, metrics
 from ..clock import Clock, RedisTimeReference, monotonic
 from ..config import CrawlConfig
 from ..errors import (
+    ConfigError,
     CrawlError,
     FencedError,
     LeaseError,
@@ -108,7 +109,10 @@ class LeasedScheduler(Scheduler):
     # -- Celery hooks -------------------------------------------------------------------------
     def setup_schedule(self) -> None:
         """Open the store, check it, start metrics and load the schedule (not when lazy)."""
-        metrics.start_metrics_server(self.config.metrics_port)
+        try:
+            metrics.start_metrics_server(self.config.metrics_port)
+        except ConfigError as exc:  # a busy port must not take the scheduler down
+            log.error("beat: metrics are off: %s", exc)
         self._store = store_for(self.config)
         self._clock = Clock(self._reference())
         self._check_store_fitness()

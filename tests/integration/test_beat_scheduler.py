@@ -294,3 +294,20 @@ def test_schedule_files_reload_and_a_broken_file_keeps_its_entries(
     assert a.entries["filed"].fingerprint != fp
     msgs = [m for m in drain(redis_server, ns) if m["crawl_entry"] == "filed"]
     assert msgs and msgs[-1]["body"][0] == [2]
+
+
+def test_metrics_endpoint_reports_leadership_and_dispatch(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    import httpx
+
+    from tests.servers import free_port
+
+    port = free_port()
+    a = start(make_app(redis_server, ns, {"tick": {"task": "t", "schedule": EVERY_SECOND}},
+                       crawl_metrics_port=port), opened)
+    run_for([a], 1.3)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    assert "crawl_beat_leader 1.0" in text
+    assert 'crawl_lease_time_left_seconds{role="beat"}' in text
+    assert "crawl_beat_dispatched_total" in text and "crawl_beat_dispatch_lag_seconds" in text
