@@ -173,7 +173,8 @@ def test_hostile_entry_fields(body: dict[str, Any], name: str) -> None:
     text = GOOD_ENTRY + _render(name, body)
     result = parse_schedule_text(text, FILE)
     _check_result(result)
-    if name != "always-good":
+    unparsable = any(e.entry is None and e.field is None for e in result.errors)
+    if name != "always-good" and not unparsable:  # a file that is not TOML has no entries
         assert "always-good" in result.entries, [str(e) for e in result.errors]
     for err in result.errors:
         if name in result.entries:
