@@ -249,7 +249,9 @@ def test_skewed_replica_never_leads(redis_cluster: tuple[Cluster, RedisServer]) 
     healthy = [p for p in cluster.alive_beats() if p is not skewed]
     for p in healthy:
         p.stop(grace_s=5)
-    # Only the skewed replica is left: nobody may lead for well over a TTL.
+    # Only the skewed replica is left: once the last lease is gone, nobody may lead for well
+    # over a TTL.
+    wait_until(lambda: cluster.holder() is None, KILL_BOUND_S, what="the last lease is gone")
     deadline = time.monotonic() + 2 * TTL_S
     while time.monotonic() < deadline:
         assert cluster.holder() is None, _beat_logs(cluster)
