@@ -163,3 +163,17 @@ def test_status_without_schedule_files_prints_no_password(cli_env: dict[str, str
     assert out.returncode == 0, text
     assert "leader" in text
     assert_no_secret(text, [cli_env["CRAWL_SEC_PASSWORD"]], "the status output")
+
+
+def test_status_does_not_echo_control_characters_from_the_store(cli_env: dict[str, str],
+                                                                acl_redis: AclRedis) -> None:
+    """Presence records are written by whoever can write the namespace: what ``status`` prints
+    from them must not carry terminal escapes (retitle, clear screen) or forge whole lines."""
+    acl_redis.admin().hset(
+        f"{cli_env['CRAWL_SEC_NS']}:rec:beat/presence/forged", "v",
+        '{"id": "\\u001b]0;pwned\\u0007\\u001b[2JEVIL", "role": "leader\\nFORGED LINE", '
+        '"last_seen": 1}')
+    _code, output, exc = _run_inprocess(["status"])
+    assert exc is None or isinstance(exc, SystemExit), f"{type(exc).__name__}: {exc}\n{output}"
+    assert "\x1b" not in output and "\x07" not in output, repr(output)
+    assert not any(line.startswith("FORGED LINE") for line in output.splitlines()), output
