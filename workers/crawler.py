@@ -40,6 +40,7 @@ from celery.utils.log import get_task_logger
 
 import celery_crawl
 from celery_crawl.errors import ConfigError, FencedError
+from celery_crawl.metrics import start_metrics_server
 
 from .http import FetchError, Page, close_process_fetcher, open_process_fetcher, process_fetcher
 from .links import parse_page
@@ -125,6 +126,16 @@ def resources() -> _Resources:
     if _resources is None or _resources.pid != os.getpid():
         _resources = _Resources()
     return _resources
+
+
+def _serve_metrics(**_: Any) -> None:
+    # Here rather than through crawl_metrics_port, to choose the address: the plugins listen
+    # on loopback, and a container's metrics must be reachable from Prometheus's container.
+    start_metrics_server(settings.metrics_port, addr=settings.metrics_addr)
+
+
+signals.worker_init.connect(_serve_metrics, weak=False)
+signals.beat_init.connect(_serve_metrics, weak=False)
 
 
 @signals.worker_process_init.connect

@@ -8,6 +8,7 @@ refuses to start rather than crawling with half a configuration.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -56,6 +57,8 @@ class CrawlerSettings:
         max_items: fan-out cap per listing (``CRAWL_MAX_ITEMS``).
         schedule_paths: ``CRAWL_SCHEDULE_PATHS`` (``os.pathsep`` or comma separated globs).
         metrics_port: ``CRAWL_METRICS_PORT`` for this process, or None.
+        metrics_addr: ``CRAWL_METRICS_ADDR``, the address it listens on (default 127.0.0.1;
+            ``0.0.0.0`` in a container, so Prometheus in another container can scrape it).
         beat_lease_ttl_s, worker_lease_ttl_s: optional overrides (``CRAWL_BEAT_LEASE_TTL``,
             ``CRAWL_WORKER_LEASE_TTL``); None keeps celery-crawl's defaults.
         visibility_timeout_s: Redis broker ``visibility_timeout`` (``CRAWL_VISIBILITY_TIMEOUT``);
@@ -87,6 +90,7 @@ class CrawlerSettings:
     max_items: int
     schedule_paths: tuple[str, ...] | None
     metrics_port: int | None
+    metrics_addr: str
     beat_lease_ttl_s: float | None
     worker_lease_ttl_s: float | None
     visibility_timeout_s: float | None
@@ -144,6 +148,7 @@ class CrawlerSettings:
                 p for chunk in paths.split(os.pathsep) for p in chunk.split(",") if p
             ) if paths else None,
             metrics_port=_port(e, "CRAWL_METRICS_PORT"),
+            metrics_addr=_addr(e, "CRAWL_METRICS_ADDR", "127.0.0.1"),
             beat_lease_ttl_s=_optional_seconds(e, "CRAWL_BEAT_LEASE_TTL"),
             worker_lease_ttl_s=_optional_seconds(e, "CRAWL_WORKER_LEASE_TTL"),
             visibility_timeout_s=_optional_seconds(e, "CRAWL_VISIBILITY_TIMEOUT"),
@@ -176,7 +181,8 @@ class CrawlerSettings:
             "worker_cancel_long_running_tasks_on_connection_loss": True,
             "crawl_lease_url": self.lease_url,
             "crawl_namespace": self.namespace,
-            "crawl_metrics_port": self.metrics_port,
+            # The crawler serves /metrics itself (workers.crawler), on CRAWL_METRICS_ADDR.
+            "crawl_metrics_port": None,
         }
         if self.schedule_paths is not None:
             conf["crawl_schedule_paths"] = list(self.schedule_paths)
@@ -250,6 +256,15 @@ def _seconds(env: Mapping[str, str], var: str, default: float) -> float:
 
 def _optional_seconds(env: Mapping[str, str], var: str) -> float | None:
     return _seconds(env, var, 0.0) if env.get(var) else None
+
+
+def _addr(env: Mapping[str, str], var: str, default: str) -> str:
+    raw = (env.get(var) or default).strip()
+    try:
+        ipaddress.ip_address(raw)
+    except ValueError:
+        raise ConfigError(f"{var}: {raw!r} is not an IP address (e.g. 0.0.0.0)") from None
+    return raw
 
 
 def _port(env: Mapping[str, str], var: str) -> int | None:

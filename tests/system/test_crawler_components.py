@@ -164,6 +164,7 @@ def test_sink_fences_older_tokens_and_counts_duplicate_runs(tmp_path: Path) -> N
     ({"CRAWL_PROXIES": "direct,ftp://p"}, "CRAWL_PROXIES"),
     ({"CRAWL_READ_TIMEOUT": "soon"}, "CRAWL_READ_TIMEOUT"),
     ({"CRAWL_METRICS_PORT": "99999"}, "CRAWL_METRICS_PORT"),
+    ({"CRAWL_METRICS_ADDR": "everywhere"}, "CRAWL_METRICS_ADDR"),
     ({"ETCD_URL": "zk://x:1"}, "ETCD_URL"),
     ({"CRAWL_NAMESPACE": "a b"}, "CRAWL_NAMESPACE"),
 ])
