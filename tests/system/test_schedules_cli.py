@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import re
+import shelve
 import subprocess
 from datetime import date, timedelta
 from pathlib import Path
 
 import pytest
 
+from celery_crawl.schedules import TzCron
 from tests.procs import CELERY, ROOT, Proc, celery_args
 from tests.servers import wait_until
 
@@ -166,6 +168,13 @@ def test_stock_celery_beat_runs_a_tzcron_entry(app_dir, tmp_path):
         sent = re.compile(r"Sending due task code-entry \(tasks\.ping\)")
         wait_until(lambda: len(sent.findall(proc.log())) >= 2, timeout_s=60,
                    what="two runs of the TzCron entry from stock beat")
-        assert "Traceback" not in proc.log()
     finally:
         proc.stop()
+    assert "Traceback" not in proc.log()
+    # beat pickled the entry into its shelve on shutdown; it comes back with zone and options
+    with shelve.open(str(tmp_path / "beat-schedule"), flag="r") as db:
+        entry = db["entries"]["code-entry"]
+    assert isinstance(entry.schedule, TzCron)
+    assert (entry.schedule.expr, entry.schedule.zone_name, entry.schedule.name) == (
+        "*/2 * * * * *", "Europe/Berlin", "code-entry")
+    assert entry.total_run_count >= 2

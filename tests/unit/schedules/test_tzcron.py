@@ -319,3 +319,19 @@ def test_is_due_and_remaining_estimate_for_stock_beat():
     assert not cron.is_due(clock.now)[0]
     # naive datetimes are UTC, as in celery's crontab
     assert cron.is_due(datetime(2024, 3, 9, 8))[0]
+
+
+@pytest.mark.parametrize(
+    ("expr", "fixed"),
+    [("30 2 * * *", True), ("0,30 1 * * *", True), ("0-10 1-2 * * *", True),
+     ("*/20 1 * * *", False), ("30 * * * *", False), ("* 2 * * *", False),
+     ("*/10 30 2 * * *", True), ("0 */5 2 * * *", False), ("@daily", True), ("@hourly", False),
+     ("H 3 * * THU", True), ("0 H/2 * * *", True)],
+)
+def test_fixed_time_classification(expr, fixed):
+    assert TzCron(expr, "UTC", name="n").is_fixed_time is fixed
+
+
+def test_day_names_are_not_hash_tokens():
+    # 'THU' contains an H but is a day name: no entry name is needed
+    assert TzCron("0 3 * * THU", "UTC").next_slot(utc(2024, 1, 1)) == utc(2024, 1, 4, 3)
