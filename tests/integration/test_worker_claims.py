@@ -109,3 +109,27 @@ def test_guards() -> None:
     with pytest.raises(UnsupportedSetup, match="crawl_min_memory"):
         check_memory(2 * 1024**3, None, limit_bytes=1024**3)
     assert check_memory(None, 200_000, limit_bytes=1024**3) == 1024**3
+
+
+def test_keeper_loses_the_lease_after_a_freeze_and_takes_a_new_holder(store: LeaseStore) -> None:
+    """A clock jump past the validity (a SIGSTOP, a VM pause) is a loss even if the store would
+    still renew; the next lease has a new holder, so old claims stay orphaned."""
+    now = [0.0]
+    import time as _time
+
+    base = _time.clock_gettime(_time.CLOCK_BOOTTIME)
+    losses: list[str] = []
+    regained: list[object] = []
+    keeper = Keeper(store, ttl_s=3.0, clock=lambda: base + now[0], on_lost=losses.append,
+                    on_acquired=regained.append)
+    first = keeper.acquire_blocking(5)
+    old_holder = keeper.holder
+    now[0] = 10.0  # frozen for longer than the TTL
+    keeper.tick()
+    assert keeper.lease is None and len(losses) == 1 and "expired on our clock" in losses[0]
+    now[0] = 0.0  # running again (the store's validity is computed on the real clock)
+    keeper.tick()  # acquires again, under a new holder
+    assert keeper.lease is not None and keeper.holder != old_holder
+    assert keeper.lease.token > first.token and regained
+    assert keeper.info()["lease_losses"] == 1
+    keeper.stop(release=True)

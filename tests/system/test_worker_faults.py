@@ -4,6 +4,7 @@ of a dead worker, the lease store unreachable for longer than the TTL, a poison 
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,9 +140,8 @@ def test_store_unreachable_longer_than_ttl(
             wait_until(lambda: "not consuming tasks" in proc.log(), 10, what="consumption stop")
             wait_until(lambda: "cancelled 1 running" in proc.log(), 10, what="task cancelled")
             send(combo, later, 0.2)
-            # Fails closed: nothing runs while no lease is held (checked once the store is
-            # back: the later task starts only after the new lease).
         finally:
+            t_back = time.time()
             fresh_redis_aof.start()
         wait_until(lambda: "consuming again" in proc.log(), 3 * TTL_S + 10,
                    what="new lease after the outage")
@@ -150,6 +150,34 @@ def test_store_unreachable_longer_than_ttl(
                             what="the cancelled task ran again")
         assert reruns[1]["token"] > first["token"]
         assert len(runs(combo, later)) == 1
+        # Failed closed: nothing started while no lease was held.
+        assert runs(combo, later)[0]["t"] >= t_back and reruns[1]["t"] >= t_back
+
+
+def test_store_unreachable_with_continue_keeps_running(
+    redis_srv: RedisServer, fresh_redis: RedisServer, tmp_path: Path,
+) -> None:
+    combo = Combo(broker=redis_srv.url_db(1), backend=redis_srv.url_db(2),
+                  lease=fresh_redis.url_db(0), sink=redis_srv.url_db(3), pool="prefork",
+                  extra_env={"CRAWL_T_ON_LOSS": "continue"})
+    key = combo.ns
+    with workers(combo, tmp_path) as ws:
+        proc = ws.start("a")
+        send(combo, key, 5.0)
+        wait_until(lambda: runs(combo, key), 30, what="task started")
+        fresh_redis.stop()
+        try:
+            wait_until(lambda: "crawl_on_lease_loss=continue" in proc.log(), 3 * TTL_S + 10,
+                       what="lease loss logged")
+            # Not cancelled: it finishes (and is acked) while the store is still down.
+            done = wait_until(lambda: runs(combo, key, "finished"), 30, what="task finished")
+            assert done[0]["accepted"]
+            assert "not consuming" not in proc.log()
+        finally:
+            fresh_redis.start()
+        wait_until(lambda: "new worker lease" in proc.log(), 3 * TTL_S + 10,
+                   what="new lease after the outage")
+        assert len(runs(combo, key)) == 1
 
 
 def test_poison_message_ends_as_failure(
