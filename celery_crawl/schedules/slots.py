@@ -130,6 +130,13 @@ class SlotRule:
             # on a second pass, where the remaining instants already come in wall order.
             if best is not None and (best == first or second_pass):
                 break
+            if kind is WallKind.GAP:
+                # Every other wall time in this gap maps to the same transition and can add
+                # nothing: continue from the end of the gap (an every-second job would otherwise
+                # walk an hour of non-existent seconds).
+                after_jump = self.tz.utcoffset(w.replace(tzinfo=self.tz, fold=1))
+                assert after_jump is not None
+                it.set_current(first + after_jump - _TINY, force=True)
         else:
             raise ScheduleError(
                 f"cron {self.cron.expr!r} in {self.tz.key}: no run found after {after.isoformat()}"
