@@ -50,16 +50,16 @@ def test_worker_killed_mid_crawl_loses_and_duplicates_nothing(
     survivor = None
     try:
         wait_ready(victim)
-        listing = f"{site.url}/listing/k?n=8&item_delay=0.6"
+        listing = f"{site.url}/listing/k?n=5&item_delay=0.6"
         client_app(env).send_task("workers.crawler.crawl_listing", args=[listing])
         # Kill it while it is inside a fetch, after it has stored a few pages.
-        wait_until(lambda: len(site.hits("/item/k/")) >= 3
+        wait_until(lambda: len(site.hits("/item/k/")) >= 2
                    and site.hits("/item/k/")[-1]["end"] is None, 30,
-                   what="the victim inside its third fetch")
+                   what="the victim inside its second fetch")
         in_flight = site.hits("/item/k/")[-1]["path"]
         victim.kill9()
         survivor = start_worker("survivor", env, tmp_path, concurrency=1)
-        items = [f"{site.url}/item/k/{i}?delay=0.6" for i in range(1, 9)]
+        items = [f"{site.url}/item/k/{i}?delay=0.6" for i in range(1, 6)]
         sink = tmp_path / "sink.sqlite3"
         wait_until(lambda: all(rows(sink).get(u, {}).get("outcome") == "ok" for u in items),
                    60, what="every item page stored after the kill")
@@ -81,7 +81,7 @@ def test_frozen_worker_cannot_overwrite_the_newer_result(
     other = None
     try:
         wait_ready(frozen)
-        url = f"{site.url}/item/frz/1?delay=2"
+        url = f"{site.url}/item/frz/1?delay=1.5"
         client_app(env).send_task("workers.crawler.crawl_item", args=[url])
         wait_until(lambda: site.hits("/item/frz/"), 30, what="the first fetch started")
         frozen.signal_group(signal.SIGSTOP)
