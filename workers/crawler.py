@@ -36,10 +36,11 @@ from urllib.parse import urlsplit
 
 import redis
 from celery import Celery, Task, signals
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils.log import get_task_logger
 
 import celery_crawl
-from celery_crawl.errors import ConfigError, FencedError
+from celery_crawl.errors import ConfigError, FencedError, StoreError
 from celery_crawl.metrics import start_metrics_server
 
 from .http import FetchError, Page, close_process_fetcher, open_process_fetcher, process_fetcher
@@ -271,6 +272,16 @@ def _fetch(task: Task, url: str, deadline: datetime, proxy_index: int,
     except FetchError as exc:
         _retry_or_give_up(task, exc, deadline, url, proxy_index)
         return exc
+    except StoreError as exc:
+        # The politeness Redis is down or slow: not the site's fault, retry with backoff.
+        _retry_or_give_up(task, FetchError(url, "politeness-store", str(exc), retryable=True),
+                          deadline, url, proxy_index)
+        return FetchError(url, "politeness-store", str(exc), retryable=False)
+    except SoftTimeLimitExceeded:
+        # The time limit inherited from the parent's deadline (celery_crawl.tasks) fired
+        # inside the fetch: record it as a deadline miss rather than a task failure.
+        logger.warning("give up %s: soft time limit (the crawl's deadline) reached", url)
+        return FetchError(url, "deadline", "soft time limit", retryable=False)
 
 
 def _store(task: Task, url: str, result: Page | FetchError, token: int) -> dict[str, Any]:
