@@ -18,6 +18,7 @@ after the heartbeat timeout after a freeze), so both operations are no-ops there
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -74,6 +75,8 @@ class RedisBroker:
         self._timeout_s = timeout_s
         self._conn: Any = None
         self._channel: Any = None
+        # The maintenance thread and the event loop (after a reconnection) both call in.
+        self._lock = threading.RLock()
 
     def _chan(self) -> Any:
         if self._channel is None:
@@ -99,6 +102,10 @@ class RedisBroker:
     def restore(self, tags: Sequence[Any]) -> int:
         if not tags:
             return 0
+        with self._lock:
+            return self._restore(tags)
+
+    def _restore(self, tags: Sequence[Any]) -> int:
         chan = self._chan()
         try:
             done = 0
@@ -115,6 +122,10 @@ class RedisBroker:
     def refresh(self, tags: Sequence[Any]) -> None:
         if not tags:
             return
+        with self._lock:
+            self._refresh(tags)
+
+    def _refresh(self, tags: Sequence[Any]) -> None:
         chan = self._chan()
         try:
             now = time.time()
@@ -133,7 +144,8 @@ class RedisBroker:
         return None if score is None else float(score)
 
     def close(self) -> None:
-        self._reset()
+        with self._lock:
+            self._reset()
 
 
 def _tag(tag: Any) -> Any:

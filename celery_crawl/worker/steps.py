@@ -178,10 +178,21 @@ class LeaseStep(bootsteps.StartStopStep):
         in a pool that will still run them.
         """
         assert self.claimer is not None
+        dropped: list[Held] = []
         for held in self.book.snapshot():
             if not everything and not held.parked and self._will_run(held):
                 continue
             self.book.pop(held)
+            dropped.append(held)
+        if not everything and self.broker is not None and dropped:
+            # The old channel could not restore its unacked messages (its connection is gone);
+            # on Redis they would wait for the visibility timeout. Idempotent if it did.
+            try:
+                self.broker.restore([h.delivery_tag for h in dropped])
+            except Exception as exc:
+                logger.warning("celery-crawl: restoring %d delivery(ies) of the old connection "
+                               "failed (%s); kombu's visibility timeout will", len(dropped), exc)
+        for held in dropped:
             if not held.parked and held.token is not None:
                 with contextlib.suppress(StoreError, LeaseLost):
                     self.claimer.drop(held)
