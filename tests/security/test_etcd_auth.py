@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -197,8 +198,8 @@ def test_unknown_tls_option_is_refused_not_ignored(secure_etcd: SecureEtcd,
 # -- authentication tokens ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def short_token_etcd(pki: Pki) -> Iterator[SecureEtcd]:
-    """etcd whose auth tokens expire after 2 s without use (the default is 300 s)."""
-    server = SecureEtcd(pki, auth_token_ttl_s=2)
+    """etcd whose auth tokens expire after 1 s without use (the default is 300 s)."""
+    server = SecureEtcd(pki, auth_token_ttl_s=1)
     server.start()
     yield server
     server.cleanup()
@@ -211,9 +212,13 @@ def test_store_authenticates_again_when_its_token_expires(short_token_etcd: Secu
     user, password = make_documented_user(short_token_etcd, "sec")
     store = open_store(short_token_etcd.url(user, password), namespace="sec",
                        timeout_s=TIMEOUT_S)
+    witness = _raw_client(short_token_etcd, user, password)
     try:
         store.put("before-idle", {"n": 1})
-        time.sleep(4)  # the fault: idleness past the token TTL (checked every second)
+        witness.get("sec:witness")
+        time.sleep(2.5)  # the fault: idleness past the token TTL (checked every second)
+        with pytest.raises(Exception, match="auth token"):  # the fault really happened
+            witness.get("sec:witness")
         assert store.get("before-idle") == {"n": 1}
         lease = store.acquire("after-idle", 3.0, "idle:1:x")
         assert lease is not None
@@ -221,3 +226,17 @@ def test_store_authenticates_again_when_its_token_expires(short_token_etcd: Secu
         store.release(lease)
     finally:
         store.close()
+        witness.close()
+
+
+def _raw_client(server: SecureEtcd, user: str, password: str) -> Any:
+    """A python-etcd3 client that authenticates once and never again."""
+    from celery_crawl.leases.etcd import import_etcd3
+
+    import_etcd3()
+    import etcd3
+
+    return etcd3.client("127.0.0.1", server.https_port, ca_cert=str(server.pki.ca),
+                        cert_key=str(server.pki.client_key),
+                        cert_cert=str(server.pki.client_cert), user=user, password=password,
+                        timeout=5)

@@ -156,7 +156,7 @@ def _render(name: str, body: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@settings(max_examples=250, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(body=entries(), name=st.one_of(st.just("hostile"), st.text(max_size=30)))
 @example(body={"task": "t.x", "cron": "0 0 29 2 1#5", "tz": "UTC"}, name="leap-monday")
 @example(body={"task": "t.x", "cron": "59 59 23 31 12 *", "tz": "Pacific/Kiritimati"},
