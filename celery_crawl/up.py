@@ -192,8 +192,11 @@ class Fleet:
         return f"http://127.0.0.1:{self.site_port}"
 
     def _env(self, metrics_port: int | None = None) -> dict[str, str]:
+        # The caller's own crawler settings (another Redis, another sink) must not leak in.
+        inherited = {k: v for k, v in os.environ.items()
+                     if not k.startswith("CRAWL_") and k not in ("REDIS_URL", "ETCD_URL")}
         env = {
-            **os.environ,
+            **inherited,
             "PYTHONUNBUFFERED": "1",
             "REDIS_URL": self.redis_url,
             "CRAWL_LEASE_URL": self.redis_url,
@@ -210,7 +213,6 @@ class Fleet:
             "CRAWL_BACKOFF_BASE": "0.5",
             "CRAWL_BACKOFF_MAX": "5",
         }
-        env.pop("CRAWL_METRICS_PORT", None)
         if metrics_port is not None:
             env["CRAWL_METRICS_PORT"] = str(metrics_port)
         return env
