@@ -13,8 +13,9 @@ import secrets
 import socket
 from typing import TYPE_CHECKING
 
-from ..config import LEASE_SCHEMES, mask_url
+from ..config import LEASE_SCHEMES
 from ..errors import ConfigError
+from ._urls import masked_url as mask_url
 from .base import (
     DRIFT,
     MARGIN_S,

@@ -1,4 +1,19 @@
--- Shared prelude (prepended to the scripts that issue tokens).
+-- Shared prelude, prepended to every script.
+
+-- bad_counter(counter_key): why the token counter cannot be used (someone else wrote it), or
+-- nil. Checked before a script writes anything, so a refused script leaves no partial writes.
+-- Errors raised as 'CRAWLDATA ...' reach callers as StoreDataError.
+local function bad_counter(counter_key)
+  local v = redis.pcall('GET', counter_key)
+  if type(v) == 'table' and v.err then
+    return 'CRAWLDATA token counter ' .. counter_key .. ' is not a string'
+  end
+  if v and (not string.match(v, '^%d+$') or #v > 18) then
+    return 'CRAWLDATA token counter ' .. counter_key .. ' does not hold a token'
+  end
+  return nil
+end
+
 -- next_token(counter_key): the namespace's single fencing-token source. When the counter is
 -- missing (restart without persistence, failover to a replica that never saw it) it is re-seeded
 -- from the server's TIME in microseconds, which is larger than any count issued before the reset
@@ -7,7 +22,7 @@ local function next_token(counter_key)
   if redis.call('EXISTS', counter_key) == 0 then
     local t = redis.call('TIME')
     local seed = tonumber(t[1]) * 1000000 + tonumber(t[2])
-    redis.call('SET', counter_key, seed)
+    redis.call('SET', counter_key, string.format('%d', seed))
     return seed
   end
   return redis.call('INCR', counter_key)
@@ -20,4 +35,30 @@ local function lease_is(lease_key, holder, token)
   if not v[1] or v[1] ~= holder then return false end
   if token ~= '' and v[2] ~= token then return false end
   return true
+end
+
+-- hmget_safe(key, fields...): HMGET, or nil when the key is not a hash (foreign data must not
+-- abort a script that serves other keys, e.g. the reaper's scan).
+local function hmget_safe(key, ...)
+  local r = redis.pcall('HMGET', key, ...)
+  if type(r) == 'table' and r.err then return nil end
+  return r
+end
+
+-- claim_alive(prefix, lease, holder, ltoken): the claim's lease key exists with the claim's
+-- holder and lease token. A claim missing any of them is not alive.
+local function claim_alive(prefix, lease, holder, ltoken)
+  if not lease or not holder or not ltoken then return false end
+  local cur = hmget_safe(prefix .. 'lease:' .. lease, 'holder', 'token')
+  return cur ~= nil and cur[1] ~= false and cur[1] == holder and cur[2] == ltoken
+end
+
+-- claim_row(out, ck, c, alive): append one claim to a flat reply (missing fields as '').
+local function claim_row(out, ck, c, alive)
+  out[#out + 1] = ck
+  out[#out + 1] = c[1] or ''
+  out[#out + 1] = c[2] or ''
+  out[#out + 1] = c[3] or ''
+  out[#out + 1] = c[4] or ''
+  out[#out + 1] = alive
 end

@@ -2,6 +2,8 @@
 -- ARGV[1] holder, ARGV[2] ttl ms
 -- Returns {token, 1} when newly taken, {token, 0} when this holder already held it (an
 -- idempotent retry after a timed-out acquire), or false while another holder has it.
+local bad = bad_counter(KEYS[2])
+if bad then return redis.error_reply(bad) end
 local cur = redis.call('HMGET', KEYS[1], 'holder', 'token')
 if cur[1] then
   if cur[1] == ARGV[1] then

@@ -7,20 +7,23 @@
 -- A claim is alive iff its lease key holds the claim's holder AND lease token: a lease that
 -- expired and was re-taken by the same holder is a new lease and does not revive old claims.
 -- The previous claimant's lease key is derived from the claim (Redis Cluster is not supported).
+local bad = bad_counter(KEYS[2])
+if bad then return redis.error_reply(bad) end
 if not lease_is(KEYS[1], ARGV[2], ARGV[3]) then return {-1} end
 local out = {1}
 local granted = 0
 for i = 5, #KEYS do
   local ck = KEYS[i]
-  local prev = redis.call('HMGET', ck, 'lease', 'holder', 'ltoken')
+  -- A key that is not a claim hash is foreign data: taken over like a dead claim.
+  local prev = hmget_safe(ck, 'lease', 'holder', 'ltoken') or {}
   local free = true
   if prev[1] then
-    local cur = redis.call('HMGET', ARGV[4] .. 'lease:' .. prev[1], 'holder', 'token')
-    if cur[1] == prev[2] and cur[2] == prev[3] then
+    if claim_alive(ARGV[4], prev[1], prev[2], prev[3]) then
       free = false
     else
-      redis.call('SREM', ARGV[4] .. 'claims-of:' .. prev[1], ck)
-      if prev[1] ~= ARGV[1] and redis.call('SCARD', ARGV[4] .. 'claims-of:' .. prev[1]) == 0 then
+      local pset = ARGV[4] .. 'claims-of:' .. prev[1]
+      redis.pcall('SREM', pset, ck)
+      if prev[1] ~= ARGV[1] and redis.pcall('SCARD', pset) == 0 then
         redis.call('ZREM', KEYS[4], prev[1])
       end
     end

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import socket
@@ -51,9 +52,8 @@ import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
-from ..config import mask_url
 from ..errors import (
     ConfigError,
     CrawlError,
@@ -66,6 +66,8 @@ from ..errors import (
     StoreUnavailable,
     UnsupportedSetup,
 )
+from ._urls import masked_url as mask_url
+from ._urls import split_credentials
 from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease
 
 __all__ = ["ETCD_MIN_TTL_S", "EtcdLeaseStore", "import_etcd3", "parse_etcd_url"]
@@ -77,6 +79,8 @@ MAX_TXN_OPS = 128
 _TLS_OPTIONS = ("ca_cert", "cert_cert", "cert_key")
 _POLL_S = 0.1
 _OCC_ATTEMPTS = 5
+
+log = logging.getLogger(__name__)
 
 
 def import_etcd3() -> Any:
@@ -118,25 +122,20 @@ def parse_etcd_url(url: str) -> dict[str, Any]:
         ConfigError: naming ``crawl_lease_url`` and what is wrong.
     """
     masked = mask_url(url)
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in ("etcd", "etcd+http", "etcd+https"):
+    scheme, user, password, rest = split_credentials(url)
+    if scheme not in ("etcd", "etcd+http", "etcd+https"):
         raise ConfigError(f"crawl_lease_url: {masked!r} is not an etcd:// URL")
+    if (user is None) != (password is None) or (user is not None and not password):
+        raise ConfigError(f"crawl_lease_url: {masked!r}: give both user and password")
     netloc_path, _, query = rest.partition("?")
     netloc = netloc_path.split("/", 1)[0]
-    user = password = None
-    if "@" in netloc:
-        cred, netloc = netloc.rsplit("@", 1)
-        user_raw, _, pw_raw = cred.partition(":")
-        user, password = unquote(user_raw) or None, unquote(pw_raw) or None
-        if (user is None) != (password is None):
-            raise ConfigError(f"crawl_lease_url: {masked!r}: give both user and password")
     endpoints: list[tuple[str, int]] = []
     for part in netloc.split(","):
         try:
             parts = urlsplit(f"//{part}")
             port = parts.port or 2379
-        except ValueError as exc:
-            raise ConfigError(f"crawl_lease_url: {masked!r}: bad endpoint {part!r}") from exc
+        except ValueError:
+            raise ConfigError(f"crawl_lease_url: {masked!r}: bad endpoint {part!r}") from None
         if not parts.hostname:
             raise ConfigError(f"crawl_lease_url: {masked!r}: empty host in {part!r}")
         endpoints.append((parts.hostname, port))
@@ -164,6 +163,14 @@ def _prefix_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
+def _stored_token(raw: bytes, key: str) -> int:
+    """A record's writer token; foreign data raises ``StoreDataError`` naming the record."""
+    if not raw.isdigit() or len(raw) > 20:
+        raise StoreDataError(f"record {key!r} has a writer token that is not a number "
+                             f"({raw[:40]!r}): data celery-crawl did not write")
+    return int(raw)
+
+
 def _pad(token: int) -> bytes:
     return f"{token:020d}".encode()
 
@@ -171,11 +178,26 @@ def _pad(token: int) -> bytes:
 def _loads(raw: bytes, key: str) -> dict[str, Any]:
     try:
         value = json.loads(raw)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise StoreDataError(f"key {key!r} holds non-JSON data: {raw[:80]!r}") from exc
     if not isinstance(value, dict):
         raise StoreDataError(f"key {key!r} holds {type(value).__name__}, not a JSON object")
     return value
+
+
+def _name(raw: bytes, strip: int) -> str | None:
+    """A key name after its prefix, or None when it is not UTF-8 (not written by us)."""
+    try:
+        return raw[strip:].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _holder_of(raw: bytes, name: str) -> str:
+    holder = _loads(raw, f"lease {name!r}").get("holder")
+    if not isinstance(holder, str):
+        raise StoreDataError(f"lease {name!r} names no holder (data celery-crawl did not write)")
+    return holder
 
 
 def _dumps(value: Mapping[str, Any], key: str) -> bytes:
@@ -417,7 +439,7 @@ class EtcdLeaseStore:
                          handle=lease_id)
         self._revoke(lease_id)
         kvs = resp.responses[0].response_range.kvs
-        if not kvs or _loads(kvs[0].value, name).get("holder") != holder:
+        if not kvs or _holder_of(kvs[0].value, name) != holder:
             return None
         # Ours already (a retried acquire whose reply was lost): adopt it with a fresh
         # keepalive so the validity window is measured from now.
@@ -453,7 +475,7 @@ class EtcdLeaseStore:
                          self._rpc.RangeRequest(key=self._k("lease", name))).kvs
         if not kvs:
             return None
-        return str(_loads(kvs[0].value, name).get("holder")), int(kvs[0].create_revision)
+        return _holder_of(kvs[0].value, name), int(kvs[0].create_revision)
 
     def lease_ttl_left(self, name: str) -> float | None:
         """Seconds left on the etcd lease behind ``name``, None when free."""
@@ -514,8 +536,11 @@ class EtcdLeaseStore:
                 out.append(token if next(results).response_txn.succeeded else None)
         return out
 
-    def _read_claims(self, keys: Sequence[str]) -> list[Claim | None]:
-        """Claims with liveness, ``claim`` and ``live`` read in one transaction per 64 keys."""
+    def _read_claims(self, keys: Sequence[str], *, strict: bool = True) -> list[Claim | None]:
+        """Claims with liveness, ``claim`` and ``live`` read in one transaction per 64 keys.
+
+        Foreign data raises ``StoreDataError`` naming the key when ``strict``, else it is logged
+        and read as None, so one forged entry cannot stop the reaper's listing."""
         out: list[Claim | None] = []
         for start in range(0, len(keys), MAX_TXN_OPS // 2):
             batch = keys[start:start + MAX_TXN_OPS // 2]
@@ -529,13 +554,26 @@ class EtcdLeaseStore:
                 if not ckv:
                     out.append(None)
                     continue
-                doc = _loads(ckv[0].value, key)
-                token = int(ckv[0].mod_revision)
-                alive = bool(lkv) and int(lkv[0].mod_revision) == token
-                out.append(Claim(key=key, lease_name=str(doc.get("lease")),
-                                 holder=str(doc.get("holder")), token=token,
-                                 value=doc.get("value") or {}, alive=alive))
+                try:
+                    out.append(self._claim_from(key, ckv[0], lkv))
+                except StoreDataError as exc:
+                    if strict:
+                        raise StoreDataError(f"{self.url}: {exc}") from exc
+                    log.warning("%s: skipping foreign data: %s", self.url, exc)
+                    out.append(None)
         return out
+
+    @staticmethod
+    def _claim_from(key: str, ckv: Any, lkv: Sequence[Any]) -> Claim:
+        doc = _loads(ckv.value, f"claim {key!r}")
+        lease_name, holder, value = doc.get("lease"), doc.get("holder"), doc.get("value")
+        if not (isinstance(lease_name, str) and isinstance(holder, str)
+                and isinstance(value, dict)):
+            raise StoreDataError(f"claim {key!r} is not a celery-crawl claim")
+        token = int(ckv.mod_revision)
+        alive = bool(lkv) and int(lkv[0].mod_revision) == token
+        return Claim(key=key, lease_name=lease_name, holder=holder, token=token, value=value,
+                     alive=alive)
 
     def claimant(self, key: str) -> Claim | None:
         """The current claim on ``key`` (alive or orphaned), or None."""
@@ -553,9 +591,11 @@ class EtcdLeaseStore:
     def claims_of(self, lease_name: str) -> list[Claim]:
         """Every claim bound to ``lease_name``, from its index prefix."""
         prefix = self._k("claims-of", f"{lease_name}/")
-        keys = [kv.key[len(prefix):].decode() for kv in
-                self._range("claims_of", prefix, keys_only=True)]
-        return [c for c in self._read_claims(keys) if c is not None and c.lease_name == lease_name]
+        names = (_name(kv.key, len(prefix))
+                 for kv in self._range("claims_of", prefix, keys_only=True))
+        keys = [k for k in names if k is not None]
+        return [c for c in self._read_claims(keys, strict=False)
+                if c is not None and c.lease_name == lease_name]
 
     def orphaned_claims(self, limit: int = 1000) -> list[Claim]:
         """Claims whose lease is dead, oldest lease first (by index creation).
@@ -565,11 +605,13 @@ class EtcdLeaseStore:
         name); only the claims of dead leases are read.
         """
         index = self._k("claim-leases", "")
-        names = sorted(((kv.key[len(index):].decode(), kv.create_revision)
-                        for kv in self._range("orphans", index, keys_only=True)),
+        indexed = [(_name(kv.key, len(index)), kv.create_revision)
+                   for kv in self._range("orphans", index, keys_only=True)]
+        names = sorted(((n, rev) for n, rev in indexed if n is not None),
                        key=lambda item: item[1])
-        live = {kv.key[len(self._k("lease", "")):].decode(): int(kv.create_revision)
-                for kv in self._range("orphans", self._k("lease", ""), keys_only=True)}
+        lease_prefix = self._k("lease", "")
+        live = {_name(kv.key, len(lease_prefix)): int(kv.create_revision)
+                for kv in self._range("orphans", lease_prefix, keys_only=True)}
         out: list[Claim] = []
         for name, _ in names:
             if len(out) >= limit:
@@ -639,7 +681,7 @@ class EtcdLeaseStore:
             compare = self._lease_current(lease)
             for key, rr in zip(keys, read.responses, strict=True):
                 kvs = rr.response_range.kvs
-                if kvs and int(kvs[0].value or 0) > lease.token:
+                if kvs and _stored_token(kvs[0].value, key) > lease.token:
                     raise FencedError(f"{self.url}: write to {key!r} refused: it was written "
                                       f"with a newer token than {lease.token}")
                 compare.append(self._cmp(self._k("rtok", key), "MOD", "EQUAL",
@@ -670,8 +712,16 @@ class EtcdLeaseStore:
     def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
         """Every record whose key starts with ``prefix`` (one range request)."""
         base = self._k("rec", "")
-        return {kv.key[len(base):].decode(): _loads(kv.value, kv.key.decode())
-                for kv in self._range("scan", self._k("rec", prefix))}
+        out: dict[str, dict[str, Any]] = {}
+        for kv in self._range("scan", self._k("rec", prefix)):
+            key = _name(kv.key, len(base))
+            try:
+                if key is None:
+                    raise StoreDataError(f"record name {kv.key[:80]!r} is not UTF-8")
+                out[key] = _loads(kv.value, key)
+            except StoreDataError as exc:
+                log.warning("%s: scan skips foreign data: %s", self.url, exc)
+        return out
 
     def delete(self, key: str, *, lease: Lease | None = None) -> bool:
         """Delete a record (fenced when ``lease`` is given); True if it existed."""
@@ -696,7 +746,13 @@ class EtcdLeaseStore:
             compare += [self._cmp(kv.key, "MOD", "EQUAL", kv.mod_revision) for kv in kvs]
             resp = self._txn("pop_all", compare, [self._del(kv.key) for kv in kvs])
             if resp.succeeded:
-                return [_loads(kv.value, queue) for kv in kvs]
+                items = []
+                for kv in kvs:  # foreign items are already off the queue: log, never block
+                    try:
+                        items.append(_loads(kv.value, f"queue {queue!r}"))
+                    except StoreDataError as exc:
+                        log.warning("%s: dropped foreign data: %s", self.url, exc)
+                return items
             if lease is not None and self.holder(lease.name) != (lease.holder, lease.token):
                 raise NotLeader(f"{self.url}: pop from {queue!r} refused: lease "
                                 f"{lease.name!r} (token {lease.token}) is not current")

@@ -1,4 +1,4 @@
--- KEYS[1] lease key ('' when unfenced), KEYS[2] queue list
+-- KEYS[1] lease key (unused when unfenced), KEYS[2] queue list
 -- ARGV[1] holder ('' = unfenced), ARGV[2] lease token, ARGV[3] limit
 -- Returns {-1} when the lease is not current, else {1, item, item, ...}.
 if ARGV[1] ~= '' and not lease_is(KEYS[1], ARGV[1], ARGV[2]) then return {-1} end

@@ -44,14 +44,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import redis as redis_lib
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
-from ..config import mask_url
 from ..errors import (
     ConfigError,
     FencedError,
@@ -62,6 +61,8 @@ from ..errors import (
     StoreTimeout,
     StoreUnavailable,
 )
+from ._urls import masked_url as mask_url
+from ._urls import split_credentials
 from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease
 
 __all__ = ["RedisLeaseStore", "parse_redis_url", "token_counter_key"]
@@ -88,13 +89,15 @@ def parse_redis_url(url: str) -> dict[str, Any]:
         ConfigError: on an unknown scheme, a bad port/db, or an unknown query option.
     """
     masked = mask_url(url)
-    try:
-        parts = urlsplit(url)
-        port = parts.port or 6379
-    except ValueError as exc:
-        raise ConfigError(f"crawl_lease_url: {masked!r}: {exc}") from exc
-    if parts.scheme not in ("redis", "rediss"):
+    scheme, user, password, rest = split_credentials(url)
+    if scheme not in ("redis", "rediss"):
         raise ConfigError(f"crawl_lease_url: {masked!r} is not a redis:// or rediss:// URL")
+    try:
+        parts = urlsplit(f"//{rest}")
+        port = parts.port or 6379
+    except ValueError:
+        # The error text would quote URL parts; the masked URL says enough.
+        raise ConfigError(f"crawl_lease_url: {masked!r}: bad host or port") from None
     path = parts.path.strip("/") or "0"
     if not path.isdigit():
         raise ConfigError(f"crawl_lease_url: {masked!r}: database {path!r} is not a number")
@@ -102,8 +105,8 @@ def parse_redis_url(url: str) -> dict[str, Any]:
         "host": parts.hostname or "localhost",
         "port": port,
         "db": int(path),
-        "username": unquote(parts.username) if parts.username else None,
-        "password": unquote(parts.password) if parts.password else None,
+        "username": user,
+        "password": password,
     }
     query = parse_qs(parts.query, keep_blank_values=True)
     for name, values in query.items():
@@ -112,7 +115,7 @@ def parse_redis_url(url: str) -> dict[str, Any]:
                 f"crawl_lease_url: {masked!r}: unknown option {name!r} "
                 f"(known: {', '.join(_SSL_OPTIONS)})"
             )
-        if parts.scheme != "rediss":
+        if scheme != "rediss":
             raise ConfigError(f"crawl_lease_url: {masked!r}: {name!r} needs rediss://")
         value = values[-1]
         if name == "ssl_cert_reqs":
@@ -124,7 +127,7 @@ def parse_redis_url(url: str) -> dict[str, Any]:
             kwargs[name] = _CERT_REQS[value.lower()]
         else:
             kwargs[name] = value
-    if parts.scheme == "rediss":
+    if scheme == "rediss":
         kwargs["ssl"] = True
     return kwargs
 
@@ -213,6 +216,8 @@ class RedisLeaseStore:
         except redis_lib.exceptions.ConnectionError as exc:
             raise StoreUnavailable(f"{self.url}: {what}: {exc}") from exc
         except ResponseError as exc:
+            if "CRAWLDATA" in str(exc):
+                raise StoreDataError(f"{self.url}: {what}: {exc}") from exc
             if "WRONGTYPE" in str(exc):
                 raise StoreDataError(
                     f"{self.url}: {what}: a key holds data celery-crawl did not write: {exc}"
@@ -298,7 +303,9 @@ class RedisLeaseStore:
 
     def _fence_args(self, lease: Lease | None) -> tuple[str, list[str]]:
         if lease is None:
-            return "", ["", ""]
+            # Unfenced: the script ignores KEYS[1], but it must still lie inside the namespace
+            # so an ACL key pattern ("~{namespace}:*") admits the call.
+            return self._k("lease", ""), ["", ""]
         return self._k("lease", lease.name), [lease.holder, str(lease.token)]
 
     # -- leases -----------------------------------------------------------------------------
@@ -346,7 +353,7 @@ class RedisLeaseStore:
         got = self._call("holder", self._redis.hmget, self._k("lease", name), "holder", "token")
         if got[0] is None or got[1] is None:
             return None
-        return got[0], int(got[1])
+        return got[0], _token(got[1], f"lease {name!r}")
 
     def lease_ttl_left(self, name: str) -> float | None:
         """Server-side seconds left on lease ``name``, None when free."""
@@ -381,20 +388,32 @@ class RedisLeaseStore:
             out.extend(int(t) or None for t in reply[1:])
         return out
 
-    def _claims_from(self, flat: Sequence[Any]) -> list[Claim]:
+    def _claims_from(self, flat: Sequence[Any], *, strict: bool) -> list[Claim]:
+        """Claims from a script's flat reply. Foreign data raises ``StoreDataError`` naming the
+        key when ``strict``; otherwise it is logged and skipped, so one forged entry cannot
+        stop a listing (the reaper's recovery) of the real claims."""
         claims = []
         strip = len(self._prefix) + len("claim:")
         for i in range(0, len(flat), 6):
             ck, lease_name, holder, token, value, alive = flat[i:i + 6]
-            claims.append(Claim(key=ck[strip:], lease_name=lease_name, holder=holder,
-                                token=int(token), value=_loads(value, ck),
-                                alive=bool(int(alive))))
+            key = ck[strip:]
+            try:
+                if int(alive) < 0:
+                    raise StoreDataError(f"claim {key!r} is not a celery-crawl claim")
+                claims.append(Claim(key=key, lease_name=lease_name, holder=holder,
+                                    token=_token(token, f"claim {key!r}"),
+                                    value=_loads(value, f"claim {key!r}"),
+                                    alive=bool(int(alive))))
+            except StoreDataError as exc:
+                if strict:
+                    raise StoreDataError(f"{self.url}: {exc}") from exc
+                log.warning("%s: skipping foreign data: %s", self.url, exc)
         return claims
 
     def claimant(self, key: str) -> Claim | None:
         """The current claim on ``key`` (alive or orphaned), or None."""
         reply, _ = self._eval("read_claims", [self._k("claim", key)], [self._prefix, ""])
-        claims = self._claims_from(reply)
+        claims = self._claims_from(reply, strict=True)
         return claims[0] if claims else None
 
     def unclaim(self, lease: Lease, key: str) -> bool:
@@ -410,12 +429,12 @@ class RedisLeaseStore:
         """Every claim bound to ``lease_name``, read from its index set (no keyspace scan)."""
         reply, _ = self._eval("read_claims", [],
                               [self._prefix, self._k("claims-of", lease_name)])
-        return [c for c in self._claims_from(reply) if c.lease_name == lease_name]
+        return [c for c in self._claims_from(reply, strict=False) if c.lease_name == lease_name]
 
     def orphaned_claims(self, limit: int = 1000) -> list[Claim]:
         """Claims whose lease is dead, oldest lease first, from the index (no keyspace scan)."""
         reply, _ = self._eval("orphans", [self._index_key], [self._prefix, int(limit)])
-        return self._claims_from(reply)
+        return self._claims_from(reply, strict=False)
 
     def drop_claim(self, claim: Claim) -> bool:
         """Delete an orphaned claim if it still carries ``claim.token``."""
@@ -443,7 +462,7 @@ class RedisLeaseStore:
             keys = [lease_key, *(self._k("rec", k) for k, _ in batch)]
             args = [*fence, ttl_ms, *(_dumps(v, k) for k, v in batch)]
             reply, acked = self._eval("put", keys, args, wait=lease is not None)
-            self._check_fence(int(reply), lease, batch[0][0])
+            self._check_fence(int(reply), lease, ", ".join(k for k, _ in batch))
             if self._under_acked(acked):
                 self.unacked_writes += 1
                 log.warning("%s: fenced write acknowledged by %s of %s replicas", self.url,
@@ -456,6 +475,9 @@ class RedisLeaseStore:
         if code == -2 and lease is not None:
             raise FencedError(f"{self.url}: write to {key!r} refused: it was written with a "
                               f"newer token than {lease.token}")
+        if code == -3:
+            raise StoreDataError(f"{self.url}: write to {key!r} refused: its stored writer "
+                                 f"token is not a number (data celery-crawl did not write)")
 
     def get(self, key: str) -> dict[str, Any] | None:
         """A record, or None."""
@@ -463,6 +485,10 @@ class RedisLeaseStore:
 
     def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
         """Records for ``keys`` in one round trip."""
+        return self._get_many(keys, strict=True)
+
+    def _get_many(self, keys: Sequence[str], *, strict: bool) -> list[dict[str, Any] | None]:
+        """Records for ``keys``; foreign data raises (``strict``) or reads as None, logged."""
         if not keys:
             return []
         with self._translate("get"):
@@ -473,10 +499,15 @@ class RedisLeaseStore:
             replies = pipe.execute(raise_on_error=False)
         out: list[dict[str, Any] | None] = []
         for k, raw in zip(keys, replies, strict=True):
-            if isinstance(raw, Exception):
-                raise StoreDataError(f"{self.url}: record {k!r} is not a celery-crawl record: "
-                                     f"{raw}") from raw
-            out.append(None if raw is None else _loads(raw, k))
+            try:
+                if isinstance(raw, Exception):
+                    raise StoreDataError(f"record {k!r} is not a celery-crawl record: {raw}")
+                out.append(None if raw is None else _loads(raw, k))
+            except StoreDataError as exc:
+                if strict:
+                    raise StoreDataError(f"{self.url}: {exc}") from exc
+                log.warning("%s: skipping foreign data: %s", self.url, exc)
+                out.append(None)
         return out
 
     def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
@@ -493,7 +524,7 @@ class RedisLeaseStore:
                     break
         strip = len(self._prefix) + len("rec:")
         logical = sorted({n[strip:] for n in names})
-        values = self.get_many(logical)
+        values = self._get_many(logical, strict=False)
         return {k: v for k, v in zip(logical, values, strict=True) if v is not None}
 
     def delete(self, key: str, *, lease: Lease | None = None) -> bool:
@@ -517,7 +548,7 @@ class RedisLeaseStore:
                               wait=lease is not None)
         if int(reply[0]) == -1:
             self._check_fence(-1, lease, queue)
-        return [_loads(item, queue) for item in reply[1:]]
+        return _valid_items(reply[1:], queue, self.url)
 
     # -- misc -------------------------------------------------------------------------------
     def server_time(self) -> float | None:
@@ -595,11 +626,31 @@ def _dumps(value: Mapping[str, Any], key: str) -> str:
 def _loads(raw: str, key: str) -> dict[str, Any]:
     try:
         value = json.loads(raw)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise StoreDataError(f"key {key!r} holds non-JSON data: {raw[:80]!r}") from exc
     if not isinstance(value, dict):
         raise StoreDataError(f"key {key!r} holds {type(value).__name__}, not a JSON object")
     return value
+
+
+def _token(raw: Any, what: str) -> int:
+    """A token read back from the store; foreign data raises ``StoreDataError``."""
+    text = str(raw)
+    if not text.isdigit() or len(text) > 19:
+        raise StoreDataError(f"{what} holds {text[:40]!r}, not a fencing token")
+    return int(text)
+
+
+def _valid_items(raw_items: Sequence[Any], queue: str, url: str) -> list[dict[str, Any]]:
+    """Decoded queue items; foreign ones are logged and dropped (they are already off the
+    queue), so they can never hold back the valid commands behind them."""
+    items = []
+    for raw in raw_items:
+        try:
+            items.append(_loads(raw, f"queue {queue!r}"))
+        except StoreDataError as exc:
+            log.warning("%s: dropped foreign data: %s", url, exc)
+    return items
 
 
 def _glob_escape(text: str) -> str:

@@ -2,14 +2,13 @@
 -- ARGV[1] lease name, ARGV[2] holder, ARGV[3] mode, ARGV[4] token, ARGV[5] namespace prefix
 -- mode 'unclaim': the claim must be bound to this lease (name, holder, ARGV[4] = lease token).
 -- mode 'drop': the claim must still carry claim token ARGV[4] and its lease must be dead.
-local c = redis.call('HMGET', KEYS[1], 'lease', 'holder', 'token', 'ltoken')
-if not c[1] or c[1] ~= ARGV[1] or c[2] ~= ARGV[2] then return 0 end
+local c = hmget_safe(KEYS[1], 'lease', 'holder', 'token', 'ltoken')
+if c == nil or not c[1] or c[1] ~= ARGV[1] or c[2] ~= ARGV[2] then return 0 end
 if ARGV[3] == 'unclaim' then
   if c[4] ~= ARGV[4] then return 0 end
 else
   if c[3] ~= ARGV[4] then return 0 end
-  local cur = redis.call('HMGET', ARGV[5] .. 'lease:' .. c[1], 'holder', 'token')
-  if cur[1] == c[2] and cur[2] == c[4] then return 0 end
+  if claim_alive(ARGV[5], c[1], c[2], c[4]) then return 0 end
 end
 redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], KEYS[1])
