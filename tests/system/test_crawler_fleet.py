@@ -179,6 +179,6 @@ def test_children_inherit_the_parents_deadline(fleet: Fleet) -> None:
     assert hits, "no item was fetched at all"
     assert max(h["at"] for h in hits) <= deadline.timestamp() + 0.2
     stored = {u: r for u, r in rows(fleet.sink).items() if "/item/dl/" in u}
-    assert len(stored) < 8
+    assert sum(r["outcome"] == "ok" for r in stored.values()) < 8
     assert all(r["outcome"] in ("ok", "failed:deadline", "failed:timeout")
                for r in stored.values()), stored
