@@ -105,30 +105,36 @@ def test_garbage_arguments_in_process(cli_env: dict[str, str], args: list[str]) 
     assert_no_secret(output, [cli_env["CRAWL_SEC_PASSWORD"]], f"the output of crawl {args!r}")
 
 
+#: (arguments, variant, expected success). Run side by side as real processes.
 SUBPROCESS_CASES = [
     (["backfill", "good", "--start", "0001-01-01T00:00:00+01:00", "--end", "2026-01-01T00:00:00Z"],
-     None),
-    (["schedules", "check", "/dev/zero"], None),
-    (["no-such-command"], None),
-    (["status"], "wrong-password"),
+     None, False),
+    (["schedules", "check", "/dev/zero"], None, False),
+    (["no-such-command"], None, False),
+    (["status"], "wrong-password", False),
+    # No schedule files: a failure in the schedule part of status cannot hide a leak elsewhere.
+    (["status"], "no-schedules", True),
 ]
 
 
-def test_garbage_arguments_as_real_processes(cli_env: dict[str, str], tmp_path: Path) -> None:
-    """Real ``celery`` processes (run side by side): exit status != 0, a message, no traceback,
-    no password — including ``status`` against a store that refuses the password."""
+def test_arguments_as_real_processes(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """Real ``celery`` processes: bad arguments exit != 0 with a message and no traceback;
+    ``status`` against a store that refuses the password too; ``status`` that works prints
+    the leader. No output carries the password."""
     procs = []
-    for i, (args, variant) in enumerate(SUBPROCESS_CASES):
+    for i, (args, variant, ok) in enumerate(SUBPROCESS_CASES):
         env = {**os.environ, **cli_env, "PYTHONPATH": str(ROOT)}
         if variant == "wrong-password":
             env["CRAWL_SEC_LEASE"] = cli_env["CRAWL_SEC_LEASE"].replace(
                 cli_env["CRAWL_SEC_PASSWORD"], f"wrong-{cli_env['CRAWL_SEC_PASSWORD']}")
+        elif variant == "no-schedules":
+            env["CRAWL_SEC_SCHEDULES"] = str(tmp_path / "none" / "*.toml")
         out = open(tmp_path / f"out-{i}.txt", "wb")  # noqa: SIM115 - closed below
-        procs.append((args, out, subprocess.Popen(
+        procs.append((args, ok, out, subprocess.Popen(
             [CELERY, "-A", APP, "crawl", *args], cwd=str(ROOT), env=env, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True)))
     failures = []
-    for args, out, proc in procs:
+    for args, ok, out, proc in procs:
         try:
             code = proc.wait(timeout=120)
         finally:
@@ -137,7 +143,9 @@ def test_garbage_arguments_as_real_processes(cli_env: dict[str, str], tmp_path: 
                 proc.wait()
             out.close()
         text = Path(out.name).read_text(errors="replace")
-        if code == 0 or "Traceback" in text or not text.strip():
+        if ok and (code != 0 or "leader" not in text):
+            failures.append(f"crawl {args!r}: exit {code}, expected success\n{text[-2000:]}")
+        elif not ok and (code == 0 or "Traceback" in text or not text.strip()):
             failures.append(f"crawl {args!r}: exit {code}\n{text[-2000:]}")
         assert_no_secret(text, [cli_env["CRAWL_SEC_PASSWORD"]], f"the output of crawl {args!r}")
     assert not failures, "\n\n".join(failures)
@@ -149,20 +157,6 @@ def test_status_prints_no_password(cli_env: dict[str, str]) -> None:
     assert code == 0, output
     assert "leader" in output
     assert_no_secret(output, [cli_env["CRAWL_SEC_PASSWORD"]], "the status output")
-
-
-def test_status_without_schedule_files_prints_no_password(cli_env: dict[str, str],
-                                                          tmp_path: Path) -> None:
-    """The same check in a real process, with no schedule files (so that a failure of the
-    schedule part of ``status`` cannot hide a leak in the rest)."""
-    env = {**os.environ, **cli_env, "PYTHONPATH": str(ROOT),
-           "CRAWL_SEC_SCHEDULES": str(tmp_path / "none" / "*.toml")}
-    out = subprocess.run([CELERY, "-A", APP, "crawl", "status"], cwd=str(ROOT), env=env,
-                         capture_output=True, text=True, timeout=120)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text
-    assert "leader" in text
-    assert_no_secret(text, [cli_env["CRAWL_SEC_PASSWORD"]], "the status output")
 
 
 def test_status_does_not_echo_control_characters_from_the_store(cli_env: dict[str, str],

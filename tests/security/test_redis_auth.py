@@ -21,15 +21,17 @@ from tests.security.leaks import assert_no_secret, assert_refused, exception_tex
 from tests.security.tlsservers import AclRedis, SecureRedis
 
 TIMEOUT_S = 1.0
+#: Store timeout where the test waits for it to expire (a silent peer, TLS to a plain port).
+SILENT_TIMEOUT_S = 0.5
 #: A refusal may cost a connect and a handshake, each bounded by the timeout; 3x headroom.
 BOUND_S = 6 * TIMEOUT_S
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "parts" / "security.md"
 REFUSED = (StoreUnavailable, StoreTimeout)
 
 
-def _connect(url: str, namespace: str = "sec") -> None:
+def _connect(url: str, namespace: str = "sec", timeout_s: float = TIMEOUT_S) -> None:
     """Open the store and use it; every refusal must surface here as a CrawlError."""
-    store = open_store(url, namespace=namespace, timeout_s=TIMEOUT_S)
+    store = open_store(url, namespace=namespace, timeout_s=timeout_s)
     try:
         store.ping()
         lease = store.acquire(f"probe-{uuid.uuid4().hex[:6]}", 3.0, "probe:1:x")
@@ -158,8 +160,8 @@ def test_tls_handshake_to_silent_peer_is_bounded(blackhole: int,
     password = _fresh_secret()
     url = f"rediss://crawler:{password}@127.0.0.1:{blackhole}/0"
     url += "?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in pki_url_query.items())
-    assert_refused(lambda: _connect(url), url, secrets=[password], expect=REFUSED,
-                   bound_s=BOUND_S)
+    assert_refused(lambda: _connect(url, timeout_s=SILENT_TIMEOUT_S), url,
+                   secrets=[password], expect=REFUSED, bound_s=BOUND_S)
 
 
 @pytest.fixture
@@ -188,15 +190,15 @@ def test_acl_bad_credentials_refused(acl_redis: AclRedis, case: str,
 def test_tls_to_plain_port_is_bounded(acl_redis: AclRedis, pki_url_query: dict[str, str]) -> None:
     password = acl_redis.add_user("limited", ["~*", "+@all"])
     url = acl_redis.url("limited", password, **pki_url_query).replace("redis://", "rediss://", 1)
-    assert_refused(lambda: _connect(url), url, secrets=[password], expect=REFUSED,
-                   bound_s=BOUND_S)
+    assert_refused(lambda: _connect(url, timeout_s=SILENT_TIMEOUT_S), url,
+                   secrets=[password], expect=REFUSED, bound_s=BOUND_S)
 
 
 def test_plain_to_silent_peer_is_bounded(blackhole: int) -> None:
     password = _fresh_secret()
     url = f"redis://crawler:{password}@127.0.0.1:{blackhole}/0"
-    assert_refused(lambda: _connect(url), url, secrets=[password], expect=REFUSED,
-                   bound_s=BOUND_S)
+    assert_refused(lambda: _connect(url, timeout_s=SILENT_TIMEOUT_S), url,
+                   secrets=[password], expect=REFUSED, bound_s=BOUND_S)
 
 
 def test_password_with_reserved_characters_works_when_encoded(acl_redis: AclRedis) -> None:
