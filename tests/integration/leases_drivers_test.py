@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from celery_crawl.clock import Clock, RedisTimeReference
 from celery_crawl.errors import ConfigError, CrawlError, LeaseLost, UnsupportedSetup
 from celery_crawl.leases import open_store
 from celery_crawl.leases.redis import RedisLeaseStore, parse_redis_url, token_counter_key
@@ -222,3 +223,26 @@ def test_etcd_user_and_password(fresh_etcd: EtcdServer) -> None:
             anonymous.holder("a")
     finally:
         anonymous.close()
+
+
+# -- clock references ---------------------------------------------------------------------------
+def test_clock_calibrates_against_redis_and_knows_etcd_has_no_clock(
+        redis_server: RedisServer, etcd_server: EtcdServer) -> None:
+    reference = RedisTimeReference(redis_server.url, timeout_s=1.0)
+    store = open_store(redis_server.url, namespace="clock")
+    etcd = open_store(etcd_server.url, namespace="clock")
+    try:
+        for ref in (reference, store):
+            clock = Clock(ref)
+            offset = clock.calibrate(k=3)
+            # Same machine, same clock: the offset is within the measurement's own uncertainty.
+            assert offset is not None and clock.uncertainty_s is not None
+            assert abs(offset) <= clock.uncertainty_s + 0.05
+        assert Clock(etcd).calibrate() is None
+        dead = RedisTimeReference(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)
+        assert dead.server_time() is None
+        dead.close()
+    finally:
+        reference.close()
+        store.close()
+        etcd.close()
