@@ -44,6 +44,14 @@ __all__ = ["Fleet", "find_redis_server", "main"]
 
 _SCHEDULER = "celery_crawl.beat:LeasedScheduler"
 _NAMESPACE = "crawler"
+#: Retry decisions the crawler logs, as counted in the summary.
+_RETRY_MARKERS = (
+    ("give up ", "given up"),
+    ("honouring Retry-After", "429/503 with Retry-After"),
+    ("rotating to proxy", "403, next proxy"),
+    ("exponential backoff", "exponential backoff"),
+    (" limit, next chance in ", "politeness wait re-queued"),
+)
 _COLORS = ("36", "33", "35", "32", "34", "31", "96", "93")
 
 
@@ -118,10 +126,13 @@ class _Output:
         self.color = color
         self.lock = threading.Lock()
         self.width = 8
-        self.captured: dict[str, list[str]] = {}
+        self.retries: dict[str, int] = {}
 
     def line(self, name: str, text: str, color: str = "0") -> None:
-        self.captured.setdefault(name, []).append(text)
+        for marker, label in _RETRY_MARKERS:
+            if marker in text:
+                self.retries[label] = self.retries.get(label, 0) + 1
+                break
         label = f"{name:>{self.width}} |"
         if self.color:
             label = f"\033[{color}m{label}\033[0m"
@@ -525,6 +536,8 @@ class Fleet:
             pages = ", ".join(f"{k}: {v}" for k, v in sorted(sink["pages"].items())) or "none"
             say(f"  pages: {pages}")
             say(f"  stale writes refused by the sink: {sink['refused_writes']}")
+        retries = ", ".join(f"{label}: {n}" for label, n in self.out.retries.items()) or "none"
+        say(f"  retry decisions logged by the crawler: {retries}")
         holders = [h for _, h, _ in self.leaders]
         say(f"  leaders seen: {len(holders)} (failovers: {max(0, len(holders) - 1)}, "
             f"leader kills: {self.kills})")
