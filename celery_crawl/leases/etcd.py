@@ -413,9 +413,13 @@ class EtcdLeaseStore:
         req = self._rpc.LeaseKeepAliveRequest(ID=lease_id)
         with self._translate("lease keepalive"):
             self.round_trips += 1
-            for resp in self._lease_stub.LeaseKeepAlive(iter([req]), timeout=self.timeout_s,
-                                                        metadata=self._metadata):
-                return int(resp.TTL)
+            call = self._lease_stub.LeaseKeepAlive(iter([req]), timeout=self.timeout_s,
+                                                   metadata=self._metadata)
+            try:
+                for resp in call:
+                    return int(resp.TTL)
+            finally:
+                call.cancel()  # one request, one reply: do not leave the stream open
         return 0
 
     # -- leases -----------------------------------------------------------------------------
