@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from celery_crawl.clock import Clock, RedisTimeReference
+from celery_crawl.config import CrawlConfig
 from celery_crawl.errors import ConfigError, CrawlError, LeaseLost, UnsupportedSetup
-from celery_crawl.leases import open_store
+from celery_crawl.leases import Characteristic, make_holder, open_store, require, store_for
 from celery_crawl.leases.redis import RedisLeaseStore, parse_redis_url, token_counter_key
 from tests.servers import EtcdServer, RedisServer, free_port
 
@@ -246,3 +247,30 @@ def test_clock_calibrates_against_redis_and_knows_etcd_has_no_clock(
         reference.close()
         store.close()
         etcd.close()
+
+
+def test_store_for_config_and_required_characteristics(redis_server: RedisServer,
+                                                       etcd_server: EtcdServer) -> None:
+    config = CrawlConfig.from_mapping({"crawl_lease_url": redis_server.url,
+                                       "crawl_namespace": "cfg", "crawl_done_ttl": "1h",
+                                       "crawl_store_timeout": "750ms"})
+    redis_store = store_for(config)
+    etcd_store = open_store(etcd_server.url, namespace="cfg")
+    try:
+        assert isinstance(redis_store, RedisLeaseStore)
+        assert (redis_store.namespace, redis_store.timeout_s) == ("cfg", 0.75)
+        require(redis_store, Characteristic.MONOTONIC_TOKENS, Characteristic.HAS_CLOCK)
+        with pytest.raises(UnsupportedSetup, match="linearizable"):
+            require(redis_store, Characteristic.LINEARIZABLE)
+        require(etcd_store, Characteristic.LINEARIZABLE, Characteristic.MONOTONIC_TOKENS)
+        with pytest.raises(UnsupportedSetup, match="has-clock"):
+            require(etcd_store, Characteristic.HAS_CLOCK)
+    finally:
+        redis_store.close()
+        etcd_store.close()
+    with pytest.raises(ConfigError, match="crawl_redis_wait_replicas"):
+        open_store(etcd_server.url, namespace="cfg", redis_wait_replicas=1)
+    holder = make_holder()
+    host, pid, rand = holder.rsplit(":", 2)
+    assert int(pid) == os.getpid() and len(rand) == 8 and host
+    assert make_holder() != holder
