@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 from .durations import parse_duration
 from .errors import ConfigError
@@ -39,17 +38,10 @@ _MIN_TTL_S = 0.5
 
 
 def mask_url(url: str) -> str:
-    """The URL with any password replaced by ``***``, safe for logs and errors."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return parts._replace(netloc=netloc).geturl()
+    """The URL with any password replaced by ``***``, safe for logs and errors; never raises."""
+    from .leases._urls import masked_url  # the lease drivers own URL parsing
+
+    return masked_url(url)
 
 
 @dataclasses.dataclass(frozen=True)
