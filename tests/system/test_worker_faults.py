@@ -41,7 +41,7 @@ def test_sigstop_beyond_ttl_is_cancelled_and_fenced(
         ws.start("b", wait=False)
         ws.wait_ready("a")
         ws.wait_ready("b")
-        send(combo, key, 3.0)
+        send(combo, key, 2.0)
         first = wait_until(lambda: runs(combo, key), 30, what="first run started")[0]
         victim = "a" if first["host"] == ws.hostname("a") else "b"
         survivor = "b" if victim == "a" else "a"
@@ -91,7 +91,7 @@ def test_task_longer_than_visibility_timeout_runs_once(
         ws.start("b", wait=False)
         ws.wait_ready("a")
         ws.wait_ready("b")
-        send(combo, key, 6.0)  # three visibility timeouts; kombu sweeps every second
+        send(combo, key, 5.0)  # 2.5 visibility timeouts; kombu sweeps every second
         wait_until(lambda: runs(combo, key, "finished"), 30, what="the task finished")
         assert len(runs(combo, key)) == 1, runs(combo, key)
         assert committed(combo, key) is not None
@@ -133,7 +133,7 @@ def test_store_unreachable_longer_than_ttl(
     key, later = f"{combo.ns}-a", f"{combo.ns}-b"
     with workers(combo, tmp_path) as ws:
         proc = ws.start("a")
-        send(combo, key, 6.0)
+        send(combo, key, 5.0)
         first = wait_until(lambda: runs(combo, key), 30, what="task started")[0]
         fresh_redis_aof.stop()
         try:
