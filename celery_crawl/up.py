@@ -466,6 +466,8 @@ class Fleet:
             say("flower       off (--no-flower)")
         for name, port in self.metrics_ports.items():
             say(f"metrics      {name}: http://127.0.0.1:{port}/metrics")
+        say(f"status       REDIS_URL={self.redis_url} CRAWL_SCHEDULE_PATHS="
+            f"'{self._schedule_dir()}/*.toml' celery -A workers.crawler crawl status")
         say("Ctrl-C stops everything.")
 
     def _scrape_metrics(self) -> None:
