@@ -250,6 +250,8 @@ class RedisLeaseStore:
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.evalsha(script.sha or "", len(keys), *keys, *args)
                 if use_wait:
+                    # WAIT gets half the socket timeout, so its (possibly short) count arrives
+                    # before the read times out and the call still ends within timeout_s.
                     pipe.execute_command(
                         "WAIT", self.wait_replicas, max(1, int(self.timeout_s * 500))
                     )
