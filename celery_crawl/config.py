@@ -88,6 +88,10 @@ class CrawlConfig:
     def from_mapping(cls, values: Mapping[str, Any]) -> CrawlConfig:
         """Validate a mapping of ``crawl_*`` settings (missing ones take their defaults)."""
         v = {**DEFAULTS, **values}
+        if v["crawl_namespace"] is None:
+            v["crawl_namespace"] = "celery_crawl"
+        if v["crawl_done_ttl"] is None:
+            v["crawl_done_ttl"] = 86400.0
         unknown = sorted(k for k in values if k.startswith("crawl_") and k not in DEFAULTS)
         if unknown:
             raise ConfigError(f"unknown setting {unknown[0]!r} (known: {', '.join(DEFAULTS)})")
