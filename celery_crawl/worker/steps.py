@@ -88,6 +88,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self.duplicates = 0
         self.poisoned = 0
         self._closed = False
+        self._unprotected: set[str] = set()
         w.crawl_lease = self
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -226,6 +227,10 @@ class LeaseStep(bootsteps.StartStopStep):
             headers = message.headers if isinstance(message.headers, dict) else None
             if headers is None or "id" not in headers:
                 # Task protocol 1: headers carry no id; run unprotected (logged once per task).
+                if task_name not in step._unprotected:
+                    step._unprotected.add(task_name)
+                    logger.warning("celery-crawl: %s arrived in task protocol 1; it runs without "
+                                   "a claim (set task_protocol = 2 on the producers)", task_name)
                 return original(message, body, ack, reject, callbacks, **kwargs)
             # Never trust a producer's value: the header is ours.
             headers.pop(CLAIM_HEADER, None)
