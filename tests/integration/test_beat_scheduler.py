@@ -50,14 +50,16 @@ def drain(server: RedisServer, ns: str) -> list[dict[str, Any]]:
     """Every message published to the test queue so far (removed from the queue)."""
     client = server.client(1)
     out = []
-    while True:
-        raw = client.rpop(f"q-{ns}")
-        if raw is None:
-            break
-        msg = json.loads(raw)
-        body = json.loads(base64.b64decode(msg["body"])) if msg.get("body") else None
-        out.append({**msg["headers"], "body": body})
-    return out
+    # kombu's Redis transport keeps one list per priority step: q, q\x06\x163, ...
+    for queue in sorted(client.keys(f"q-{ns}*")):
+        while True:
+            raw = client.rpop(queue)
+            if raw is None:
+                break
+            msg = json.loads(raw)
+            body = json.loads(base64.b64decode(msg["body"])) if msg.get("body") else None
+            out.append({**msg["headers"], "body": body, "properties": msg["properties"]})
+    return sorted(out, key=lambda m: m["crawl_slot"])
 
 
 def run_for(schedulers: list[LeasedScheduler], seconds: float) -> None:
@@ -89,7 +91,8 @@ def start(app: Celery, opened: list[LeasedScheduler]) -> LeasedScheduler:
 def test_one_leader_publishes_each_slot_once_with_headers(
     redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
 ) -> None:
-    sched = {"tick": {"task": "t.record", "schedule": EVERY_SECOND, "args": [1]}}
+    sched = {"tick": {"task": "t.record", "schedule": EVERY_SECOND, "args": [1],
+                      "options": {"expires": 30, "priority": 5}}}
     a = start(make_app(redis_server, ns, sched), opened)
     b = start(make_app(redis_server, ns, sched), opened)
     run_for([a, b], 3.2)
@@ -104,6 +107,8 @@ def test_one_leader_publishes_each_slot_once_with_headers(
         assert m["crawl_entry"] == "tick"
         assert m["crawl_leader_token"] == leader.election.lease.token
         assert m["body"][0] == [1]
+        assert m["expires"] is not None and m["properties"]["priority"] == 5
+        assert m["properties"]["delivery_info"]["routing_key"] == f"q-{ns}"
     store = open_store(redis_server.url_db(0), namespace=ns)
     st = EntryState.from_record(store.get(keys.beat_entry("tick")))
     assert st.run_count == len(msgs) and st.last_task_id == msgs[-1]["id"]
