@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import keys
-from ..errors import CrawlError, LeaseLost, StoreError
+from ..errors import CrawlError, LeaseLost
 from ..leases.base import Claim, Lease, LeaseStore
 
 __all__ = [
@@ -306,12 +306,3 @@ def _int(value: object) -> int:
 def _tag(tag: Any) -> Any:
     return tag if isinstance(tag, int | str) or tag is None else str(tag)
 
-
-def safe(what: str, fn: Callable[[], Any]) -> bool:
-    """Run a store call, logging (not raising) a ``StoreError``; True if it succeeded."""
-    try:
-        fn()
-        return True
-    except (StoreError, LeaseLost) as exc:
-        logger.warning("celery-crawl: %s failed: %s", what, exc)
-        return False
