@@ -326,7 +326,17 @@ class LeaseStep(bootsteps.StartStopStep):
             return reject(*args, **kw)
 
         held.extra["ack"], held.extra["reject"] = ack, reject
-        original(held.message, body, on_ack, on_reject, callbacks, **kwargs)
+        try:
+            original(held.message, body, on_ack, on_reject, callbacks, **kwargs)
+        except BaseException:
+            # Celery refuses the message itself (undecodable body, content type not accepted,
+            # invalid task): it rejects it outside our callbacks, so the claim goes here.
+            if self.book.pop(held) is not None:
+                metrics.WORKER_CLAIMS.set(len(self.book))
+                assert self.claimer is not None
+                with contextlib.suppress(StoreError, LeaseLost):
+                    self.claimer.drop(held)
+            raise
 
     def _lease_valid_for(self, held: Held) -> bool:
         lease = self.keeper.lease if self.keeper else None
