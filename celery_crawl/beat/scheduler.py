@@ -235,8 +235,14 @@ class LeasedScheduler(Scheduler):
     def _apply_block(self) -> None:
         reason = self._eviction_reason or self._skew_reason
         was_leader = self.election.is_leader
+        lease = self.election.lease
         changed = reason != self.election.blocked_reason
         self.election.block(reason)
+        if was_leader and not self.election.is_leader and lease is not None:
+            # Step down cleanly so a healthy replica takes over at once, not after the TTL.
+            with contextlib.suppress(CrawlError):
+                assert self._store is not None
+                self._store.release(lease)
         now = monotonic()
         if reason and (changed or now - self._last_block_log >= 30.0):
             self._last_block_log = now
@@ -575,13 +581,14 @@ class LeasedScheduler(Scheduler):
             run, skipped, newest, nxt = p.run, p.skipped, p.last_slot, p.next_slot
         for skip in skipped:
             self._record_skip(name, st, skip)
+        batch_published = False  # catch-up runs published together are not checked
         for slot in run:
             if paused:
                 self._record_skip(name, st, SkipRange(slot, slot, 1, "paused"))
                 continue
             if checked is None and entry.overlap != "allow":
                 checked = self._in_flight(entry, st, now)
-            if checked and entry.overlap != "allow":
+            if checked and entry.overlap != "allow" and not batch_published:
                 if entry.overlap == "skip":
                     self._record_skip(name, st, SkipRange(slot, slot, 1, "overlap"))
                     continue
@@ -595,9 +602,13 @@ class LeasedScheduler(Scheduler):
                 if entry.overlap == "cancel_other" and st.last_task_id:
                     self._revoke(st.last_task_id, name)
             if not self.election.may_publish():
-                return  # lease ran out mid-entry; the next leader continues from the state
+                # Validity ran out mid-entry: keep what was decided and retry the rest on the
+                # next tick (after a renewal) or leave it to the next leader.
+                self._queue_state(name)
+                self._schedule(name, st)
+                return
             self._publish(entry, st, slot, now, producer)
-            checked = True
+            batch_published = True
         if newest is not None and (st.last_slot is None or newest > st.last_slot):
             st.last_slot = newest
         self._next_of[name] = nxt

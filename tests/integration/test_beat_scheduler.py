@@ -316,3 +316,50 @@ def test_metrics_endpoint_reports_leadership_and_dispatch(
     assert "crawl_beat_leader 1.0" in text
     assert 'crawl_lease_time_left_seconds{role="beat"}' in text
     assert "crawl_beat_dispatched_total" in text and "crawl_beat_dispatch_lag_seconds" in text
+
+
+def _claim_last_run(a: LeasedScheduler, store: Any, name: str) -> tuple[Any, str]:
+    wait_until(lambda: (a.tick(), a.states.get(name) and a.states[name].last_task_id)[1],
+               5, what="first run")
+    first = a.states[name].last_task_id
+    worker = store.acquire(keys.worker_lease(f"w-{uuid.uuid4().hex[:6]}"), 30, make_holder())
+    assert worker is not None
+    assert store.claim(worker, keys.task_claim(first), {"queue": "q"}) is not None
+    return worker, first
+
+
+def test_overlap_buffer_one_holds_one_slot_until_the_previous_run_ends(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    sched = {"slow": {"task": "t.slow", "schedule": EVERY_SECOND,
+                      "options": {"crawl_overlap": "buffer_one"}}}
+    a = start(make_app(redis_server, ns, sched), opened)
+    store = open_store(redis_server.url_db(0), namespace=ns)
+    worker, first = _claim_last_run(a, store, "slow")
+    drain(redis_server, ns)
+    run_for([a], 2.5)
+    buffered = a.states["slow"].buffered_slot
+    assert buffered is not None and drain(redis_server, ns) == []
+    skips = SkipLog.from_record(store.get(keys.beat_skips("slow")))
+    assert skips.totals.get("overlap_buffered", 0) >= 1
+    store.unclaim(worker, keys.task_claim(first))
+    store.put(keys.done(first), {"state": "SUCCESS"})
+    run_for([a], 1.5)
+    msgs = drain(redis_server, ns)
+    assert msgs[0]["crawl_slot"] == f"{buffered:%Y-%m-%dT%H:%M:%SZ}"
+    store.close()
+
+
+def test_overlap_cancel_other_revokes_the_previous_run(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sched = {"slow": {"task": "t.slow", "schedule": EVERY_SECOND,
+                      "options": {"crawl_overlap": "cancel_other"}}}
+    a = start(make_app(redis_server, ns, sched), opened)
+    store = open_store(redis_server.url_db(0), namespace=ns)
+    _, first = _claim_last_run(a, store, "slow")
+    run_for([a], 1.5)
+    assert a.states["slow"].last_task_id != first
+    assert any(f"revoked the previous run {first}" in r.getMessage() for r in caplog.records)
+    store.close()
