@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -79,6 +81,7 @@ class Summary:
     run_once: int = 0
     skipped: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     duplicates: list[str] = dataclasses.field(default_factory=list)
+    concurrent_duplicates: list[str] = dataclasses.field(default_factory=list)
     contradictions: list[str] = dataclasses.field(default_factory=list)
     unaccounted: list[str] = dataclasses.field(default_factory=list)
     fenced: int = 0
@@ -121,6 +124,8 @@ class Summary:
             f"  run exactly once    {self.run_once}",
             f"  skipped by policy   {sum(self.skipped.values())} ({reasons})",
             f"  duplicates          {len(self.duplicates)}" + _few(self.duplicates),
+            f"    of which concurrent {len(self.concurrent_duplicates)} (a second run started "
+            "before the first finished)" + _few(self.concurrent_duplicates),
             f"  run, yet recorded skipped {len(self.contradictions)}"
             + _few(self.contradictions),
             f"  unaccounted         {len(self.unaccounted)}" + _few(self.unaccounted),
@@ -158,6 +163,8 @@ def account(
     beat_exits: int,
     audit: tuple[bool, str] | None,
     worker_exits: int = 0,
+    stuck_task_ids: Sequence[str] = (),
+    namespace: str | None = None,
 ) -> Summary:
     """Classify every due slot and measure failover gaps and recovery times."""
     summary = Summary(store=store, seed=seed, window=window, beat_exits=beat_exits,
@@ -173,10 +180,13 @@ def account(
         if slot is not None:
             accepted[(rec["entry"], slot)].append(rec)
     started: dict[tuple[str, float], set[str]] = collections.defaultdict(set)
+    start_recs: dict[tuple[str, float], list[Mapping[str, Any]]] = collections.defaultdict(list)
     for rec in starts:
         slot = parse_slot(rec.get("slot"))
         if slot is not None:
             started[(rec["entry"], slot)].add(f"{rec.get('worker')}/{rec.get('pid')}")
+            start_recs[(rec["entry"], slot)].append(rec)
+    stuck = set(stuck_task_ids)
     skip_by_entry: dict[str, list[SkipSpan]] = collections.defaultdict(list)
     for span in skips:
         skip_by_entry[span.entry].append(span)
@@ -193,10 +203,12 @@ def account(
             if len(started.get((entry, slot), ())) > 1:
                 summary.restarted_runs += 1
             if len(runs) > 1:
-                summary.duplicates.append(
-                    f"{label} x{len(runs)} by "
-                    + ",".join(f"{r.get('worker')}/t{r.get('claim_token')}" for r in runs))
+                text = (f"{label} x{len(runs)} by "
+                        + ",".join(f"{r.get('worker')}/t{r.get('claim_token')}" for r in runs))
+                summary.duplicates.append(text)
                 counts["duplicate"] += 1
+                if _overlapping(runs, start_recs[(entry, slot)]):
+                    summary.concurrent_duplicates.append(text)
             elif runs and reason is not None:
                 summary.contradictions.append(f"{label} ran and skipped ({reason})")
                 summary.run_once += 1
@@ -208,11 +220,46 @@ def account(
                 summary.skipped[reason] += 1
                 counts[f"skip:{reason}"] += 1
             else:
-                summary.unaccounted.append(label)
+                task_id = _task_id(namespace, entry, slot) if namespace else None
+                why = _evidence(start_recs[(entry, slot)], stuck, task_id)
+                summary.unaccounted.append(f"{label} ({why})")
                 counts["unaccounted"] += 1
 
     _measure(summary, starts, [*done, *fenced], faults)
     return summary
+
+
+def _overlapping(runs: Sequence[Mapping[str, Any]], starts: Sequence[Mapping[str, Any]]
+                 ) -> bool:
+    """Whether a later accepted run started before an earlier one had finished."""
+    ordered = sorted(runs, key=lambda r: float(r["t"]))
+    for first, later in itertools.pairwise(ordered):
+        t_later = next((float(s["t"]) for s in starts
+                        if s.get("claim_token") == later.get("claim_token")
+                        and s.get("worker") == later.get("worker")),
+                       float(later.get("t_start", later["t"])))
+        if t_later < float(first["t"]):
+            return True
+    return False
+
+
+def _task_id(namespace: str, entry: str, slot: float) -> str:
+    """The run's deterministic task id (DESIGN.md: uuid5 of namespace, entry and slot)."""
+    text = datetime.fromtimestamp(slot, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{namespace}|{entry}|{text}"))
+
+
+def _evidence(starts: Sequence[Mapping[str, Any]], stuck: set[str],
+              task_id: str | None = None) -> str:
+    """What is known of an unaccounted slot's run."""
+    if not starts and task_id in stuck:
+        return f"{task_id[:8]}: delivered, never started, still in the broker's unacked hash"
+    if starts:
+        ids = {s.get("task_id") for s in starts}
+        where = ",".join(sorted({str(s.get("worker")) for s in starts}))
+        return f"started on {where}, never finished" + (
+            "; still in the broker's unacked hash" if ids & stuck else "")
+    return (f"{task_id[:8]}: " if task_id else "") + "no run started, no skip record"
 
 
 def _measure(summary: Summary, starts: Sequence[Mapping[str, Any]],

@@ -199,11 +199,16 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
 
         def snapshot(audit: tuple[bool, str] | None) -> Summary:
             skips.collect()
+            try:
+                stuck = _unacked_task_ids(stack)
+            except Exception:  # the broker may be the fault right now
+                stuck = []
             return account(store=store, seed=seed, window=window, due_slots=slots,
                            starts=_read(stack, SINK_STARTS), done=_read(stack, SINK_DONE),
                            fenced=_read(stack, SINK_FENCED), skips=skips.spans, faults=faults,
                            beat_exits=stack.beat_exits(), audit=audit,
-                           worker_exits=len(stack.unexpected_exits) - stack.beat_exits())
+                           worker_exits=len(stack.unexpected_exits) - stack.beat_exits(),
+                           stuck_task_ids=stuck, namespace=stack.namespace)
 
         drain_end = time.monotonic() + DRAIN_S
         summary = snapshot(None)
