@@ -51,7 +51,7 @@ def format_duration(seconds: float) -> str:
     """Short human form, the inverse of ``parse_duration`` for whole units."""
     if seconds < 1 and seconds:
         return f"{seconds * 1000:.0f}ms"
-    out, rest = [], int(round(seconds))
+    out, rest = [], round(seconds)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if rest >= size:
             out.append(f"{rest // size}{unit}")

@@ -6,7 +6,7 @@ occur, ``raise Mapped(...) from exc``, so callers only ever catch these::
     CrawlError
     ├── ConfigError                 a crawl_* setting or install() argument is wrong
     ├── ScheduleError               a cron expression, zone or schedule entry is wrong
-    │   └── ScheduleFileError       a schedule file is unreadable or malformed (names file/entry/field)
+    │   └── ScheduleFileError       a schedule file is unreadable or malformed (names file, entry)
     ├── StoreError                  the lease store failed
     │   ├── StoreUnavailable        cannot connect / connection dropped / auth or TLS refused
     │   ├── StoreTimeout            a store call did not answer within its timeout
@@ -15,6 +15,8 @@ occur, ``raise Mapped(...) from exc``, so callers only ever catch these::
     │   ├── LeaseLost               the lease expired or is held by another holder
     │   └── NotLeader               a leader-only write was attempted without the current token
     ├── FencedError                 a write carried an older fencing token than the stored one
+    ├── PoisonMessage               a task was delivered crawl_max_deliveries times; ended FAILURE
+    ├── ReplayError                 a finished idempotency key's outcome cannot be replayed
     ├── SerializationRefused        a payload in a serializer other than JSON was aimed at us
     └── UnsupportedSetup            a worker/beat configuration celery-crawl refuses to run under
 """
@@ -28,6 +30,8 @@ __all__ = [
     "LeaseError",
     "LeaseLost",
     "NotLeader",
+    "PoisonMessage",
+    "ReplayError",
     "ScheduleError",
     "ScheduleFileError",
     "SerializationRefused",
@@ -104,6 +108,17 @@ class NotLeader(LeaseError):
 
 class FencedError(CrawlError):
     """A write carried an older fencing token than the one already stored."""
+
+
+class PoisonMessage(CrawlError):
+    """A task was delivered ``crawl_max_deliveries`` times and is ended without running again.
+
+    Stored as the task's FAILURE so callers see why; usually its worker was killed (OOM) by it.
+    """
+
+
+class ReplayError(CrawlError):
+    """A finished idempotency key's stored outcome could not be restored for replay."""
 
 
 class SerializationRefused(CrawlError):

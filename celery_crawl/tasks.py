@@ -42,7 +42,7 @@ from celery.signals import before_task_publish
 
 from .backends.audited import AuditedRedisBackend, _claim_token, parse_token
 from .backends.ledger import Heartbeat, KeyLedger
-from .errors import ConfigError, CrawlError, FencedError
+from .errors import ConfigError, CrawlError, FencedError, PoisonMessage, ReplayError
 
 __all__ = [
     "DEADLINE_HEADER",
@@ -50,7 +50,6 @@ __all__ = [
     "ROLLBACK_FAILED",
     "ROLLED_BACK",
     "IdempotentTask",
-    "PoisonedTask",
     "current_deadline",
     "deadline_headers",
     "parse_deadline",
@@ -70,10 +69,6 @@ ROLLBACK_FAILED = "ROLLBACK_FAILED"
 #: Fraction of the time left given to a subtask's soft time limit (the hard one gets all of it).
 _SOFT_FRACTION = 0.9
 _MIN_LIMIT_S = 0.01
-
-
-class PoisonedTask(CrawlError):
-    """A task was delivered ``crawl_max_deliveries`` times without finishing; it is failed."""
 
 
 def _boottime() -> float:
@@ -373,7 +368,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         result = meta.get("result")
         if isinstance(result, BaseException):
             raise result
-        raise PoisonedTask(f"replayed task {task_id} ended {status} without a stored exception")
+        raise ReplayError(f"replayed task {task_id} ended {status} without a stored exception")
 
     def _failure_json(self, exc: BaseException) -> str:
         return json.dumps(self.backend.prepare_exception(exc, "json"), default=repr)
@@ -382,8 +377,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             exc = self.backend.exception_to_python(json.loads(text))
         except Exception as err:  # an unreadable record must still fail the task clearly
-            return PoisonedTask(f"stored failure could not be restored ({err}): {text[:200]}")
-        return exc if isinstance(exc, BaseException) else PoisonedTask(str(text)[:200])
+            return ReplayError(f"stored failure could not be restored ({err}): {text[:200]}")
+        return exc if isinstance(exc, BaseException) else ReplayError(str(text)[:200])
 
     def _roll_back(self, ledger: KeyLedger, run_id: str, token: str, exc: BaseException,
                    args: tuple[Any, ...], kwargs: dict[str, Any], *, final: bool) -> str | None:
@@ -455,11 +450,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
 
 def _poison_error(reason: str) -> CrawlError:
-    """The worker plugin's ``PoisonMessage`` when it is installed (one name for one failure)."""
-    try:
-        from .worker.claims import PoisonMessage
-    except ImportError:
-        return PoisonedTask(reason)
     return PoisonMessage(reason)
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import keys
-from ..errors import CrawlError, LeaseLost
+from ..errors import LeaseLost
 from ..leases.base import Claim, Lease, LeaseStore
 
 __all__ = [
@@ -39,18 +39,10 @@ __all__ = [
     "Decision",
     "Held",
     "Outcome",
-    "PoisonMessage",
     "deliveries_key",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class PoisonMessage(CrawlError):
-    """A task was delivered ``crawl_max_deliveries`` times and is ended without running again.
-
-    Stored as the task's FAILURE so callers see why; usually its worker was killed (OOM) by it.
-    """
 
 
 def deliveries_key(task_id: str) -> str:

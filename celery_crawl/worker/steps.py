@@ -28,10 +28,10 @@ from celery.worker import state as worker_state
 
 from .. import keys, metrics
 from ..config import CrawlConfig
-from ..errors import LeaseLost, StoreError
+from ..errors import LeaseLost, PoisonMessage, StoreError
 from ..leases.base import Lease, LeaseStore
 from .broker import BrokerOps, broker_ops
-from .claims import ClaimBook, Claimer, Decision, Held, Outcome, PoisonMessage
+from .claims import ClaimBook, Claimer, Decision, Held, Outcome
 from .context import CLAIM_HEADER
 from .guards import check_beat, check_memory, check_pool
 from .keeper import Keeper

@@ -7,7 +7,8 @@ import celery_crawl
 EXPECTED = {
     "AuditedRedisBackend", "Claim", "ConfigError", "CrawlConfig", "CrawlError", "FencedError",
     "IdempotentTask", "Lease", "LeaseError", "LeaseLost", "LeaseStore", "LeasedScheduler",
-    "NotLeader", "ScheduleError", "ScheduleFileError", "SerializationRefused", "StoreDataError",
+    "NotLeader", "PoisonMessage", "ReplayError",
+    "ScheduleError", "ScheduleFileError", "SerializationRefused", "StoreDataError",
     "StoreError", "StoreTimeout", "StoreUnavailable", "TzCron", "UnsupportedSetup",
     "__version__", "current_claim", "install", "open_store",
 }
