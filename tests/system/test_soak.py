@@ -123,7 +123,7 @@ def test_ledger_classifies_every_slot() -> None:
     assert summary.run_once == 2  # slot 1, and slot 5 (which is also, wrongly, recorded skipped)
     assert [d.split(" ")[0] for d in summary.duplicates] == [f"e@{iso(2)[11:19]}"]
     assert summary.skipped == {"missed": 1}
-    assert summary.unaccounted == [f"e@{iso(4)[11:19]}"]
+    assert [u.split(" ")[0] for u in summary.unaccounted] == [f"e@{iso(4)[11:19]}"]
     assert len(summary.contradictions) == 1
     assert summary.recoveries == [("worker_kill9", 3.5)]
     assert not summary.concurrent_duplicates  # the second run of slot 2 began after the first
