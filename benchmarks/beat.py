@@ -13,7 +13,8 @@ Every contender is a real ``celery beat`` process on private redis-servers start
   start-up, so every scheduler sees them due together); time from the first to the N-th message
   in the broker's queue (no worker consumes; best of ``--repeat`` interleaved runs for ours
   and raw, because the machine is shared), and the rate, against raw ``app.send_task`` in a
-  loop on one producer in its own process, timed the same way (the ceiling). Stock beat is
+  loop on one producer in its own process, timed the same way (the ceiling): once from a bare
+  app (send_task's cheapest path) and once from the beat's own app (task registered). Stock beat is
   stopped after ``--cap`` s and its rate is extrapolated.
 * **idle**: CPU (utime+stime over 30 s, from ``/proc``) and RSS of our leader holding 100 000
   entries whose next run is far away.
@@ -151,22 +152,26 @@ def burst(scheduler: str, n: int, cap_s: float,
 
 
 _RAW = """
-import sys, uuid
+import os, sys, uuid
 from celery import Celery
-app = Celery("raw", broker=sys.argv[1], set_as_current=False)
-app.conf.update(task_serializer="json", task_ignore_result=True)
+if sys.argv[3] == "app":  # the beat's own app, where the task is registered
+    os.environ["CRAWL_B_BROKER"] = sys.argv[1]
+    from tests.system.beatapp import app
+else:  # a bare app: send_task's cheapest path
+    app = Celery("raw", broker=sys.argv[1], set_as_current=False)
+    app.conf.update(task_serializer="json", task_ignore_result=True)
 with app.producer_or_acquire() as producer:
     for _ in range(int(sys.argv[2])):
         app.send_task("beatapp.record", task_id=str(uuid.uuid4()), producer=producer)
 """
 
 
-def burst_raw(n: int) -> tuple[float, float]:
+def burst_raw(n: int, kind: str = "bare") -> tuple[float, float]:
     """Raw ``send_task`` in a loop, in its own process, timed like the schedulers: wall and
     CPU seconds from the first to the n-th message."""
     server = RedisServer().start()
     client = server.client(1)
-    proc = Proc([sys.executable, "-c", _RAW, server.url_db(1), str(n)],
+    proc = Proc([sys.executable, "-c", _RAW, server.url_db(1), str(n), kind],
                 log_path=LOGS / "raw.log")
     try:
         wait_until(lambda: client.llen("celery") > 0, 60, interval_s=0.002,
@@ -244,12 +249,14 @@ def main() -> None:
     for n in sizes:
         # The machine is shared: ours and raw are interleaved, the best of several is kept, and
         # the CPU time of the publishing process is reported too (less sensitive to contention).
-        raws, ourss = [], []
+        raws, raw_apps, ourss = [], [], []
         for _ in range(args.repeat):
             raws.append(burst_raw(n))
+            raw_apps.append(burst_raw(n, "app"))
             wall, _capped, cpu = burst(OURS, n, args.cap * 4)
             ourss.append((wall, cpu))
         raw_wall, raw_cpu = min(r[0] for r in raws), min(r[1] for r in raws)
+        app_wall, app_cpu = min(r[0] for r in raw_apps), min(r[1] for r in raw_apps)
         our_wall, our_cpu = min(o[0] for o in ourss), min(o[1] for o in ourss)
         others = {name: burst(sched, n, args.cap)
                   for name, sched in (("RedBeat", REDBEAT), ("stock", STOCK))}
@@ -264,9 +271,12 @@ def main() -> None:
 
         row(f"burst {n} due together",
             f"{our_wall:.2f} s ({n / our_wall:.0f}/s); CPU {our_cpu:.2f} s",
-            f"raw send_task {raw_wall:.2f} s ({n / raw_wall:.0f}/s), CPU {raw_cpu:.2f} s; "
+            f"raw send_task, bare app {raw_wall:.2f} s ({n / raw_wall:.0f}/s), CPU "
+            f"{raw_cpu:.2f} s; same app {app_wall:.2f} s ({n / app_wall:.0f}/s), CPU "
+            f"{app_cpu:.2f} s; "
             f"{fmt('RedBeat')}; {fmt('stock')}",
-            f"ours/raw rate: wall {raw_wall / our_wall:.2f}, CPU {raw_cpu / our_cpu:.2f}; "
+            f"ours/raw(bare) rate: wall {raw_wall / our_wall:.2f}, CPU {raw_cpu / our_cpu:.2f}; "
+            f"ours/raw(same app): wall {app_wall / our_wall:.2f}, CPU {app_cpu / our_cpu:.2f}; "
             f"vs RedBeat {others['RedBeat'][0] / our_wall:.1f}x; "
             f"vs stock {others['stock'][0] / our_wall:.1f}x")
 

@@ -59,6 +59,8 @@ class Publisher:
         self.app = app
         self.namespace = namespace
         self._prepared: dict[str, _Prepared] = {}
+        self._slot_key: datetime | None = None
+        self._slot_text = ""
 
     def _prepare(self, entry: BeatEntry) -> _Prepared:
         cached = self._prepared.get(entry.name)
@@ -119,10 +121,12 @@ class Publisher:
         """
         p = self._prepare(entry)
         task_id = task_id_for(self.namespace, entry.name, slot)
+        if slot != self._slot_key:  # a burst shares one slot: format it once
+            self._slot_key, self._slot_text = slot, format_slot(slot)
         headers: dict[str, Any] = {
             **p.user_headers,
             "crawl_entry": entry.name,
-            "crawl_slot": format_slot(slot),
+            "crawl_slot": self._slot_text,
             "crawl_leader_token": token,
         }
         if manual:

@@ -21,6 +21,7 @@ import glob
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -672,7 +673,7 @@ class LeasedScheduler(Scheduler):
         if not manual and (st.last_slot is None or slot > st.last_slot):
             st.last_slot = slot
         metrics.BEAT_DISPATCHED.inc()
-        metrics.BEAT_DISPATCH_LAG.observe(max(0.0, (datetime.now(UTC) - slot).total_seconds()))
+        metrics.BEAT_DISPATCH_LAG.observe(max(0.0, time.time() - slot.timestamp()))
         return task_id
 
     # -- operator commands ---------------------------------------------------------------------
