@@ -274,6 +274,8 @@ def test_evicting_redis_is_refused_for_leadership(
     assert not a.election.is_leader
     assert "maxmemory-policy" in (a.election.blocked_reason or "")
     assert any("refusing to lead" in r.getMessage() for r in caplog.records)
+    # the fixture's Redis runs without AOF and RDB: slot state would not survive a restart
+    assert any("neither AOF nor RDB" in r.getMessage() for r in caplog.records)
 
 
 def test_schedule_files_reload_and_a_broken_file_keeps_its_entries(
