@@ -365,3 +365,18 @@ def test_overlap_cancel_other_revokes_the_previous_run(
     assert a.states["slow"].last_task_id != first
     assert any(f"revoked the previous run {first}" in r.getMessage() for r in caplog.records)
     store.close()
+
+
+def test_an_entry_in_beat_schedule_and_a_file_is_an_error_naming_both(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler], tmp_path: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = tmp_path / "dup.toml"
+    path.write_text('[entries.twice]\ntask = "t.file"\ncron = "0 * * * *"\ntz = "UTC"\n')
+    app = make_app(redis_server, ns, {"twice": {"task": "t.conf", "schedule": EVERY_SECOND}},
+                   crawl_schedule_paths=[str(path)])
+    a = start(app, opened)
+    assert a.entries["twice"].task == "t.conf"  # beat_schedule's definition is kept
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("twice" in m and "beat_schedule" in m and "dup.toml" in m for m in messages), \
+        messages
