@@ -13,8 +13,8 @@ RESULTS.md holds:
 * the machine (CPU model, cores, memory, kernel, load average before the run) and the versions
   (Python, Celery, kombu, redis-py, python-etcd3, celery-redbeat, redis-server, etcd, and the
   git commit of celery-crawl);
-* a table of figures and ratios: every table a benchmark printed that has a ``ratio`` column
-  (Markdown ``| ... |`` or aligned text), copied as a Markdown table;
+* the tables of figures and ratios: every Markdown table a benchmark printed, and every
+  aligned-text table with a ``ratio`` column, copied as Markdown tables;
 * each benchmark's full output, its command, exit status and duration.
 
 Benchmarks are not tests: a failing one is reported in its section and in the summary, and the
@@ -184,8 +184,9 @@ def _cells(line: str, header: str | None = None) -> list[str]:
     return cells
 
 
-def ratio_tables(output: str) -> list[list[list[str]]]:
-    """Tables in ``output`` whose header has a ``ratio`` column, as lists of rows of cells.
+def figure_tables(output: str) -> list[list[list[str]]]:
+    """The result tables in ``output``, as lists of rows of cells: every Markdown table, and
+    every aligned-text table whose header has a ``ratio`` column.
 
     A table is a header line (Markdown ``| a | b |`` or columns separated by 2+ spaces) followed
     by rows with the same number of cells; separator lines (``---``, ``|---|``) are skipped and
@@ -198,7 +199,8 @@ def ratio_tables(output: str) -> list[list[list[str]]]:
         header_line = lines[i]
         markdown = header_line.strip().startswith("|")
         header = _cells(header_line)
-        if len(header) >= 3 and any(re.search(r"(?i)\bratio", c) for c in header):
+        has_ratio = any(re.search(r"(?i)\bratio", c) for c in header)
+        if len(header) >= 2 and (markdown or (len(header) >= 3 and has_ratio)):
             rows = [header]
             j = i + 1
             while j < len(lines):
@@ -215,7 +217,7 @@ def ratio_tables(output: str) -> list[list[list[str]]]:
                     break
                 rows.append(cells)
                 j += 1
-            if len(rows) > 1:
+            if len(rows) > 1 and rows not in tables:
                 tables.append(rows)
             i = j
         else:
@@ -249,6 +251,10 @@ def _body(output: str) -> list[str]:
         if line.lstrip().startswith("|"):
             flush()
             blocks.append(line.strip())
+        elif line.lstrip().startswith("#"):
+            flush()
+            # a benchmark's own heading, nested under its section
+            blocks.extend(["", "#### " + line.lstrip("# ").strip(), ""])
         else:
             if blocks and blocks[-1].startswith("|") and not text:
                 blocks.append("")
@@ -272,11 +278,11 @@ def render(outcomes: list[Outcome], started: list[tuple[str, str]]) -> str:
     lines.extend(["", "## Figures and ratios", ""])
     any_table = False
     for o in outcomes:
-        for table in ratio_tables(o.stdout):
+        for table in figure_tables(o.stdout):
             any_table = True
             lines.extend([f"**{o.name}**", "", *_md_table(table), ""])
     if not any_table:
-        lines.extend(["(no benchmark printed a table with a ratio column)", ""])
+        lines.extend(["(no benchmark printed a result table)", ""])
     lines.extend(["## Full output", ""])
     for o in outcomes:
         lines.extend([f"### {o.name}", "", f"`{o.command}` — {o.status}, {o.seconds:.0f} s", ""])
