@@ -60,6 +60,7 @@ from ..errors import (
     StoreError,
     StoreTimeout,
     StoreUnavailable,
+    UnsupportedSetup,
 )
 from ._urls import masked_url as mask_url
 from ._urls import split_credentials
@@ -275,10 +276,17 @@ class RedisLeaseStore:
     def _load_all(self) -> None:
         """``SCRIPT LOAD`` every script in one round trip, so no later call pays for it."""
         pipe = self._redis.pipeline(transaction=False)
+        pipe.info("cluster")
         for script in self._scripts.values():
             pipe.script_load(script.source)
         self.round_trips += 1
-        for script, sha in zip(self._scripts.values(), pipe.execute(), strict=True):
+        info, *shas = pipe.execute()
+        if isinstance(info, dict) and str(info.get("cluster_enabled", 0)) == "1":
+            raise UnsupportedSetup(
+                f"{self.url}: Redis Cluster is not supported as a lease store (its scripts touch "
+                f"keys of several slots); use a standalone server or a Sentinel-managed primary"
+            )
+        for script, sha in zip(self._scripts.values(), shas, strict=True):
             script.sha = str(sha)
 
     def _under_acked(self, acked: int | None) -> bool:

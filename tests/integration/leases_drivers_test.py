@@ -274,3 +274,14 @@ def test_store_for_config_and_required_characteristics(redis_server: RedisServer
     host, pid, rand = holder.rsplit(":", 2)
     assert int(pid) == os.getpid() and len(rand) == 8 and host
     assert make_holder() != holder
+
+
+def test_redis_cluster_is_refused_with_a_clear_error() -> None:
+    server = RedisServer(extra=["--cluster-enabled", "yes"]).start()
+    try:
+        store = open_store(server.url, namespace="cluster")
+        with pytest.raises(UnsupportedSetup, match="Redis Cluster is not supported"):
+            store.acquire("a", 5, make_holder())
+        store.close()
+    finally:
+        server.cleanup()
