@@ -25,6 +25,7 @@ DEFAULTS: dict[str, Any] = {
     "crawl_max_clock_skew": 1.0,
     "crawl_schedule_paths": ["beat_schedules/*.toml"],
     "crawl_metrics_port": None,
+    "crawl_metrics_addr": "127.0.0.1",
     "crawl_on_lease_loss": "cancel",
     "crawl_max_deliveries": 5,
     "crawl_done_ttl": None,
@@ -56,6 +57,7 @@ class CrawlConfig:
     max_clock_skew_s: float
     schedule_paths: tuple[str, ...]
     metrics_port: int | None
+    metrics_addr: str
     on_lease_loss: str
     max_deliveries: int
     done_ttl_s: float
@@ -127,6 +129,9 @@ class CrawlConfig:
             isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
         ):
             raise ConfigError(f"crawl_metrics_port: {port!r} is not a TCP port (0-65535) or None")
+        addr = v["crawl_metrics_addr"]
+        if not isinstance(addr, str) or not addr or any(c.isspace() for c in addr):
+            raise ConfigError(f"crawl_metrics_addr: {addr!r} is not a listen address")
         on_loss = v["crawl_on_lease_loss"]
         if on_loss not in ("cancel", "continue"):
             raise ConfigError(f"crawl_on_lease_loss: {on_loss!r} must be 'cancel' or 'continue'")
@@ -142,7 +147,8 @@ class CrawlConfig:
         return cls(
             lease_url=url, namespace=namespace, beat_lease_ttl_s=beat_ttl,
             worker_lease_ttl_s=worker_ttl, reaper_interval_s=reaper_s, max_clock_skew_s=skew,
-            schedule_paths=tuple(paths), metrics_port=port, on_lease_loss=on_loss,
+            schedule_paths=tuple(paths), metrics_port=port, metrics_addr=addr,
+            on_lease_loss=on_loss,
             max_deliveries=max_del, done_ttl_s=done_ttl, min_memory_bytes=min_mem_b,
             redis_wait_replicas=replicas, audit_maxlen=maxlen, store_timeout_s=timeout,
         )

@@ -112,7 +112,7 @@ class LeasedScheduler(Scheduler):
     def setup_schedule(self) -> None:
         """Open the store, check it, start metrics and load the schedule (not when lazy)."""
         try:
-            metrics.start_metrics_server(self.config.metrics_port)
+            metrics.start_metrics_server(self.config.metrics_port, addr=self.config.metrics_addr)
         except ConfigError as exc:  # a busy port must not take the scheduler down
             log.error("beat: metrics are off: %s", exc)
         self._store = store_for(self.config)

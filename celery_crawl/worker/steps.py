@@ -109,7 +109,7 @@ class LeaseStep(bootsteps.StartStopStep):
                                done_ttl_s=config.done_ttl_s, worker=self.hostname)
         lease = self.keeper.acquire_blocking(timeout_s=max(config.worker_lease_ttl_s, 5.0))
         self.keeper.start()
-        metrics.start_metrics_server(config.metrics_port)
+        metrics.start_metrics_server(config.metrics_port, addr=config.metrics_addr)
         self._warn_acks_early()
         signals.worker_shutdown.connect(self._on_worker_shutdown, weak=False)
         logger.info(
