@@ -55,10 +55,7 @@ class Proc:
 
     def stop(self, grace_s: float = 5.0) -> int | None:
         if self.proc.poll() is None:
-            # The main process first: a warm shutdown lets prefork children finish instead of
-            # dying mid-task (WorkerLostError noise); the group is killed right after anyway.
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
+            self.signal_group(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             while time.monotonic() < deadline and self.proc.poll() is None:
                 time.sleep(0.05)
