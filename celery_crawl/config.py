@@ -9,7 +9,7 @@ from typing import Any
 from .durations import parse_duration
 from .errors import ConfigError
 
-__all__ = ["DEFAULTS", "LEASE_SCHEMES", "CrawlConfig", "mask_url"]
+__all__ = ["DEFAULTS", "LEASE_SCHEMES", "CrawlConfig", "mask_url", "plain_redis_url"]
 
 LEASE_SCHEMES = ("redis", "rediss", "etcd", "etcd+https", "etcd+http")
 _REDIS_BACKEND_SCHEMES = {"redis": "redis", "rediss": "rediss", "crawlredis": "redis",
@@ -76,7 +76,7 @@ class CrawlConfig:
         conf = app.conf
         values = {k: conf.get(k, v) for k, v in DEFAULTS.items()}
         if values["crawl_lease_url"] is None:
-            values["crawl_lease_url"] = _lease_url_from_backend(conf.get("result_backend"))
+            values["crawl_lease_url"] = plain_redis_url(conf.get("result_backend"))
         if values["crawl_namespace"] is None:
             values["crawl_namespace"] = getattr(app, "main", None) or "celery_crawl"
         if values["crawl_done_ttl"] is None:
@@ -154,12 +154,14 @@ class CrawlConfig:
         )
 
 
-def _lease_url_from_backend(backend: object) -> str | None:
-    if not isinstance(backend, str) or "://" not in backend:
+def plain_redis_url(url: object) -> str | None:
+    """``redis://``/``rediss://`` for a broker or result-backend URL on Redis (``crawlredis://``
+    and ``Class+redis://`` included), else None: the default lease store, and the reference
+    clock of the beat's skew guard when the lease store (etcd) has none."""
+    if not isinstance(url, str) or "://" not in url:
         return None
-    scheme, rest = backend.split("://", 1)
-    scheme = scheme.rsplit("+", 1)[-1] if "+" in scheme else scheme
-    mapped = _REDIS_BACKEND_SCHEMES.get(scheme)
+    scheme, rest = url.split("://", 1)
+    mapped = _REDIS_BACKEND_SCHEMES.get(scheme.rsplit("+", 1)[-1])
     return f"{mapped}://{rest}" if mapped else None
 
 

@@ -44,7 +44,17 @@ def _when(text: str, what: str) -> datetime:
         raise click.BadParameter(f"{text!r} is not an ISO-8601 instant", param_hint=what) from exc
     if value.tzinfo is None:
         raise click.BadParameter(f"{text!r} has no time zone (add Z or +08:00)", param_hint=what)
-    return value.astimezone(UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError as exc:
+        raise click.BadParameter(f"{text!r} is out of range", param_hint=what) from exc
+
+
+def _shown(value: object, limit: int = 120) -> str:
+    """A store-supplied value made safe for a terminal: records are written by whoever can
+    reach the store, so control characters are escaped and long values cut."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _push(ctx: click.Context, op: str, name: str, **kw: Any) -> None:
@@ -110,7 +120,7 @@ def _status(app: Any, store: Any, limit: int) -> None:
     holder = store.holder(keys.BEAT_LEADER)
     left = store.lease_ttl_left(keys.BEAT_LEADER)
     if holder:
-        click.echo(f"leader:   {holder[0]}  token {holder[1]}  lease left "
+        click.echo(f"leader:   {_shown(holder[0])}  token {holder[1]}  lease left "
                    f"{left if left is not None else '?'}s")
     else:
         click.echo("leader:   none")
@@ -118,14 +128,15 @@ def _status(app: Any, store: Any, limit: int) -> None:
     click.echo(f"replicas: {len(presence)}")
     for rec in sorted(presence.values(), key=lambda r: str(r.get("id"))):
         off = rec.get("clock_offset_s")
-        off_s = "n/a" if off is None else f"{off:+.3f}s"
-        blocked = f"  BLOCKED: {rec['blocked']}" if rec.get("blocked") else ""
-        click.echo(f"  {rec.get('id')}  {rec.get('role')}  clock offset {off_s}  "
-                   f"last seen {rec.get('last_seen')}{blocked}")
+        off_s = f"{off:+.3f}s" if isinstance(off, int | float) else "n/a"
+        blocked = f"  BLOCKED: {_shown(rec['blocked'])}" if rec.get("blocked") else ""
+        click.echo(f"  {_shown(rec.get('id'))}  {_shown(rec.get('role'))}  clock offset "
+                   f"{off_s}  last seen {_shown(rec.get('last_seen'))}{blocked}")
     _next_fires(app, store, limit)
 
 
 def _next_fires(app: Any, store: Any, limit: int) -> None:
+    from ..schedules import load_schedule_files
     from .entries import from_beat_schedule, from_spec
 
     now = datetime.now(UTC)
@@ -135,17 +146,12 @@ def _next_fires(app: Any, store: Any, limit: int) -> None:
             entries[name] = from_beat_schedule(name, raw, app)
         except CrawlError as exc:
             click.echo(f"  ! beat_schedule {name!r}: {exc}")
-    try:
-        from ..schedules import load_schedule_files
-
-        config = CrawlConfig.from_app(app)
-        result = load_schedule_files(list(config.schedule_paths), base_dir=os.getcwd())
-        for spec in result.entries.values():
-            entries.setdefault(spec.name, from_spec(spec))
-        for err in result.errors:
-            click.echo(f"  ! {err}")
-    except ImportError:
-        pass
+    config = CrawlConfig.from_app(app)
+    result = load_schedule_files(list(config.schedule_paths), base_dir=os.getcwd())
+    for spec in result.entries.values():
+        entries.setdefault(spec.name, from_spec(spec))
+    for err in result.errors:
+        click.echo(f"  ! {_shown(err, 300)}")
     names = sorted(entries)
     records = store.get_many([keys.beat_entry(n) for n in names]) if names else []
     rows = []

@@ -30,7 +30,7 @@ from celery.beat import Scheduler
 
 from .. import keys, metrics
 from ..clock import Clock, RedisTimeReference, monotonic
-from ..config import CrawlConfig
+from ..config import CrawlConfig, plain_redis_url
 from ..errors import (
     ConfigError,
     CrawlError,
@@ -179,12 +179,9 @@ class LeasedScheduler(Scheduler):
         if Characteristic.HAS_CLOCK in self._store.characteristics:
             return self._store
         for url in (self.app.conf.broker_url, self.app.conf.result_backend):
-            if isinstance(url, str) and url.split("://", 1)[0].rsplit("+", 1)[-1] in (
-                    "redis", "rediss", "crawlredis", "crawlrediss"):
-                scheme, rest = url.split("://", 1)
-                scheme = "rediss" if scheme.endswith("s") else "redis"
-                return RedisTimeReference(f"{scheme}://{rest}",
-                                          timeout_s=self.config.store_timeout_s)
+            redis_url = plain_redis_url(url)
+            if redis_url is not None:
+                return RedisTimeReference(redis_url, timeout_s=self.config.store_timeout_s)
         log.warning("beat: the lease store has no clock and neither the broker nor the result "
                     "backend is Redis: the clock-skew guard (crawl_max_clock_skew) is off")
         return None

@@ -40,7 +40,10 @@ def parse_slot(text: str, *, key: str = "") -> datetime:
         raise StoreDataError(f"{key}: {text!r} is not an ISO UTC slot") from exc
     if value.tzinfo is None:
         raise StoreDataError(f"{key}: slot {text!r} has no time zone")
-    return value.astimezone(UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError as exc:  # e.g. 0001-01-01T00:00:00+01:00 has no UTC instant
+        raise StoreDataError(f"{key}: slot {text!r} is out of range") from exc
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,14 +91,22 @@ class EntryState:
                 fingerprint=str(record["fingerprint"]),
                 last_slot=_opt_slot(record.get("last_slot"), key),
                 run_count=int(record.get("run_count") or 0),
-                last_task_id=record.get("last_task_id"),
+                last_task_id=_opt(record.get("last_task_id"), str, "last_task_id"),
                 last_run_slot=_opt_slot(record.get("last_run_slot"), key),
-                paused=record.get("paused"),
+                paused=_opt(record.get("paused"), bool, "paused"),
                 buffered_slot=_opt_slot(record.get("buffered_slot"), key),
-                token=record.get("token"),
+                token=_opt(record.get("token"), int, "token"),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             raise StoreDataError(f"{key}: not an entry state record ({exc})") from exc
+
+
+def _opt(value: Any, kind: type[Any], field: str) -> Any:
+    """``value`` if None or of ``kind`` (bool is not an int here); else a TypeError naming it."""
+    if value is None or (isinstance(value, kind)
+                         and not (kind is int and isinstance(value, bool))):
+        return value
+    raise TypeError(f"{field} must be {kind.__name__} or null, got {type(value).__name__}")
 
 
 def _opt_slot(value: Any, key: str) -> datetime | None:
@@ -151,6 +162,6 @@ class SkipLog:
                 for r in record.get("ranges", [])
             ]
             totals = {str(k): int(v) for k, v in (record.get("totals") or {}).items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             raise StoreDataError(f"{key}: not a skip log record ({exc})") from exc
         return cls(ranges, totals)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_crawl.config import DEFAULTS, CrawlConfig, mask_url
+from celery_crawl.config import DEFAULTS, CrawlConfig, mask_url, plain_redis_url
 from celery_crawl.errors import ConfigError
 
 #: ``from_mapping`` takes no app, so the app-derived defaults (namespace, done ttl) are given.
@@ -115,3 +115,17 @@ def test_mask_url_hides_passwords_only() -> None:
     assert mask_url("redis://user:pw@host:6379/0") == "redis://user:***@host:6379/0"
     assert mask_url("redis://host:6379/0") == "redis://host:6379/0"
     assert "pw" not in mask_url("etcd+https://root:pw@10.0.0.1:2379")
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("redis://h:1/0", "redis://h:1/0"),
+    ("rediss://h:1/0", "rediss://h:1/0"),
+    ("crawlredis://h:1/2", "redis://h:1/2"),
+    ("crawlrediss://u:p@h:1/0", "rediss://u:p@h:1/0"),
+    ("celery_crawl.backends:AuditedRedisBackend+redis://h:1/0", "redis://h:1/0"),
+    ("amqp://guest@h//", None),
+    ("etcd://h:2379", None),
+    (None, None),
+])
+def test_plain_redis_url_keeps_tls_only_where_asked(url: object, expected: str | None) -> None:
+    assert plain_redis_url(url) == expected
