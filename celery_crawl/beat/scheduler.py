@@ -599,6 +599,9 @@ class LeasedScheduler(Scheduler):
                     continue
                 if entry.overlap == "cancel_other" and st.last_task_id:
                     self._revoke(st.last_task_id, name)
+                    if st.last_run_slot is not None:  # its slot ends cancelled, on record
+                        old = st.last_run_slot
+                        self._record_skip(name, st, SkipRange(old, old, 1, "cancelled_by_overlap"))
             if not self.election.may_publish():
                 # Validity ran out mid-entry: keep what was decided and retry the rest on the
                 # next tick (after a renewal) or leave it to the next leader.

@@ -364,6 +364,10 @@ def test_overlap_cancel_other_revokes_the_previous_run(
     run_for([a], 1.5)
     assert a.states["slow"].last_task_id != first
     assert any(f"revoked the previous run {first}" in r.getMessage() for r in caplog.records)
+    # The revoked run's slot is on record as cancelled, so no slot is left unaccounted.
+    skips = store.get(keys.beat_skips("slow"))
+    assert skips is not None
+    assert any(r["reason"] == "cancelled_by_overlap" for r in skips["ranges"]), skips
     store.close()
 
 

@@ -30,7 +30,7 @@ KNOWN_DEFECTS = (
     "was unreachable is cancelled on lease loss and run again (its completion could not be "
     "recorded); a delivery can stay in the broker's unacked hash after its worker died on a "
     "broker connection loss (the claim is dropped before the requeue is known to have "
-    "happened); overlap=cancel_other revokes a run without recording its slot as skipped"
+    "happened)"
 )
 
 #: Counted window per store in CI (the whole run adds start-up, grace, drain and shutdown).
