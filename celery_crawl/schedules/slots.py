@@ -1,6 +1,6 @@
 """The DST rule: nominal slots of a wall-clock cron pattern in one IANA zone.
 
-This is cronie's rule, stated in DESIGN.md ("DST rule") and in ``docs/parts/schedules.md``:
+This is cronie's rule, stated in DESIGN.md ("DST rule") and in ``docs/schedules.md``:
 
 * A job is *fixed-time* when neither its minute nor its hour field starts with ``*``; otherwise
   it is a *wildcard* job.

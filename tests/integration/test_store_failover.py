@@ -1,7 +1,7 @@
 """Store failover: what happens to leases, fencing tokens and slot state when the store fails over.
 
 Redis replicates asynchronously. These tests show, on a real primary + replica, exactly what that
-costs (docs/parts/durability.md states it for users):
+costs (docs/durability.md states it for users):
 
 * promoting the replica while the old primary still runs splits the brain: both sides grant the
   leader lease, and both issue the *same* fencing token numbers;

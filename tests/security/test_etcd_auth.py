@@ -28,7 +28,7 @@ TIMEOUT_S = 1.0
 #: Store timeout where the test waits for it to expire (a silent peer, TLS to a plain port).
 SILENT_TIMEOUT_S = 0.5
 BOUND_S = 6 * TIMEOUT_S
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "parts" / "security.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 REFUSED = (StoreUnavailable, StoreTimeout)
 
 
@@ -50,11 +50,11 @@ def _connect(url: str, namespace: str = "sec", timeout_s: float = TIMEOUT_S) -> 
 
 
 def make_documented_user(server: SecureEtcd, namespace: str) -> tuple[str, str]:
-    """Run the etcd role recipe of docs/parts/security.md for ``namespace``; returns the
+    """Run the etcd role recipe of docs/security.md for ``namespace``; returns the
     user's name and password."""
     text = DOCS.read_text(encoding="utf-8")
     block = re.search(r"<!-- etcd-role-begin -->\s*```\s*\n(.*?)\n```", text, re.S)
-    assert block, "docs/parts/security.md lost its etcd-role block"
+    assert block, "docs/security.md lost its etcd-role block"
     user, password = f"crawler-{namespace}", _fresh_secret()
     for line in block.group(1).splitlines():
         words = shlex.split(line)

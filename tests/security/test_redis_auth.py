@@ -25,7 +25,7 @@ TIMEOUT_S = 1.0
 SILENT_TIMEOUT_S = 0.5
 #: A refusal may cost a connect and a handshake, each bounded by the timeout; 3x headroom.
 BOUND_S = 6 * TIMEOUT_S
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "parts" / "security.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 REFUSED = (StoreUnavailable, StoreTimeout)
 
 
@@ -47,10 +47,10 @@ def _fresh_secret() -> str:
 
 
 def documented_acl_rules(namespace: str) -> list[str]:
-    """The ACL rules of the recipe in docs/parts/security.md, for ``namespace``."""
+    """The ACL rules of the recipe in docs/security.md, for ``namespace``."""
     text = DOCS.read_text(encoding="utf-8")
     block = re.search(r"<!-- redis-acl-begin -->\s*```\s*\n(.*?)\n```", text, re.S)
-    assert block, "docs/parts/security.md lost its redis-acl block"
+    assert block, "docs/security.md lost its redis-acl block"
     words = block.group(1).split()
     assert words[:3] == ["ACL", "SETUSER", "crawler"], words[:3]
     rules = [w for w in words[3:] if not w.startswith(">") and w not in ("reset", "on")]

@@ -29,7 +29,7 @@ def local_slots(cron: TzCron, start: datetime, end: datetime) -> list[str]:
     return [f"{s.astimezone(cron.tz):%m-%d %H:%M%z}" for s in cron.slots(start, end)]
 
 
-# -- worked examples (the ones in docs/parts/schedules.md) -------------------------------------
+# -- worked examples (the ones in docs/schedules.md) -------------------------------------
 
 NY_SPRING = (utc(2024, 3, 9, 12), utc(2024, 3, 11, 12))   # 2024-03-10 02:00 EST -> 03:00 EDT
 NY_FALL = (utc(2024, 11, 2, 12), utc(2024, 11, 4, 12))    # 2024-11-03 02:00 EDT -> 01:00 EST
