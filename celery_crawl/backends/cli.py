@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import click
 
+from ..cliapp import app_of
 from ..durations import parse_duration
 from ..errors import ConfigError, CrawlError
 from . import audit as audit_log
@@ -16,22 +16,8 @@ from .audited import AuditedRedisBackend
 __all__ = ["register"]
 
 
-def _app(ctx: click.Context) -> Any:
-    # Celery's CLI keeps its CLIContext (with .app) on an outer context; the crawl group may
-    # have replaced ctx.obj with its own dict, so look upwards.
-    node: click.Context | None = ctx
-    while node is not None:
-        app = getattr(node.obj, "app", None)
-        if app is not None:
-            return app
-        node = node.parent
-    from celery import current_app
-
-    return current_app
-
-
 def _backend(ctx: click.Context) -> AuditedRedisBackend:
-    backend = _app(ctx).backend
+    backend = app_of(ctx).backend
     if not isinstance(backend, AuditedRedisBackend):
         raise click.ClickException(
             f"result_backend is {type(backend).__name__}; `crawl audit` needs AuditedRedisBackend "

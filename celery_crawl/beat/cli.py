@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from .. import keys
+from ..cliapp import app_of
 from ..config import CrawlConfig
 from ..errors import CrawlError
 from ..leases import store_for
@@ -22,17 +23,9 @@ from .state import EntryState, format_slot
 __all__ = ["register"]
 
 
-def _app(ctx: click.Context) -> Any:
-    obj = ctx.find_root().obj
-    app = getattr(obj, "app", None)
-    if app is None:
-        raise click.UsageError("run this as `celery -A proj crawl ...` so the app is known")
-    return app
-
-
 def _store(ctx: click.Context) -> Any:
     try:
-        return store_for(CrawlConfig.from_app(_app(ctx)))
+        return store_for(CrawlConfig.from_app(app_of(ctx)))
     except CrawlError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -106,7 +99,7 @@ def register(group: click.Group) -> None:
     @click.option("-n", "limit", default=10, show_default=True, help="next fires to show")
     @click.pass_context
     def status(ctx: click.Context, limit: int) -> None:
-        app = _app(ctx)
+        app = app_of(ctx)
         store = _store(ctx)
         try:
             _status(app, store, limit)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 import sys
 from datetime import UTC, datetime
-from typing import Any
 
 import click
 
+from ..cliapp import app_of
 from ..errors import CrawlError, ScheduleFileError
 from .entry import EntrySpec
 from .files import check_duplicates_with_beat_schedule, load_app_schedule, load_schedule_files
@@ -74,21 +74,6 @@ def _now(ctx: click.Context | None = None) -> datetime:
     return datetime.now(UTC)
 
 
-def _app(ctx: click.Context) -> Any:
-    """The ``-A`` app: celery's ``CLIContext`` on an outer context (an inner group may have
-    replaced ``ctx.obj`` with its own object), else the current app.
-    """
-    current: click.Context | None = ctx
-    while current is not None:
-        app = getattr(current.obj, "app", None)
-        if app is not None:
-            return app
-        current = current.parent
-    from celery import current_app
-
-    return current_app._get_current_object()
-
-
 @click.group(name="schedules", help="Validate and preview schedule files.")
 def schedules() -> None:
     """The ``crawl schedules`` group."""
@@ -107,7 +92,7 @@ def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
     try:
         result = load_schedule_files(list(paths), base_dir=".")
         # Names that clash with the app's beat_schedule are errors too (both places named).
-        beat_schedule = _app(ctx).conf.get("beat_schedule") or {}
+        beat_schedule = app_of(ctx).conf.get("beat_schedule") or {}
         result.errors.extend(check_duplicates_with_beat_schedule(result, beat_schedule))
         now = _now()
         for name, spec in result.entries.items():
@@ -132,7 +117,7 @@ def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
 @click.pass_context
 def next_(ctx: click.Context, name: str, count: int) -> None:
     """Show the next fires of one entry of the app's schedule (files and beat_schedule)."""
-    app = _app(ctx)
+    app = app_of(ctx)
     result = load_app_schedule(app)
     spec = result.entries.get(name)
     other = (app.conf.get("beat_schedule") or {}).get(name)
