@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from .claims import json_tag
+
 __all__ = ["AmqpBroker", "BrokerOps", "RedisBroker", "broker_ops"]
 
 logger = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ class RedisBroker:
             for tag in tags:
                 # leftmost=True: a recovered task goes to the head of its queue, as kombu does
                 # for a rejected-with-requeue message.
-                chan.qos.restore_by_tag(_tag(tag), leftmost=True)
+                chan.qos.restore_by_tag(json_tag(tag), leftmost=True)
                 done += 1
             return done
         except Exception:
@@ -131,7 +133,7 @@ class RedisBroker:
             now = time.time()
             # XX: only tags still unacked; an acked or restored tag must not reappear.
             with chan.conn_or_acquire() as client:
-                client.zadd(chan.unacked_index_key, {_tag(t): now for t in tags}, xx=True)
+                client.zadd(chan.unacked_index_key, {json_tag(t): now for t in tags}, xx=True)
         except Exception:
             self._reset()
             raise
@@ -140,16 +142,13 @@ class RedisBroker:
         """Delivery time recorded for ``tag`` (tests and the benchmark use it)."""
         chan = self._chan()
         with chan.conn_or_acquire() as client:
-            score = client.zscore(chan.unacked_index_key, _tag(tag))
+            score = client.zscore(chan.unacked_index_key, json_tag(tag))
         return None if score is None else float(score)
 
     def close(self) -> None:
         with self._lock:
             self._reset()
 
-
-def _tag(tag: Any) -> Any:
-    return tag.decode() if isinstance(tag, bytes) else tag
 
 
 def broker_ops(app: Any, *, timeout_s: float = 5.0) -> BrokerOps:

@@ -40,6 +40,8 @@ __all__ = [
     "Held",
     "Outcome",
     "deliveries_key",
+    "json_tag",
+    "lenient_int",
 ]
 
 logger = logging.getLogger(__name__)
@@ -206,12 +208,12 @@ class Claimer:
         if lease is None:
             return Decision(Outcome.NO_LEASE)
         done, seen = self.store.get_many([keys.done(task_id), deliveries_key(task_id)])
-        if done is not None and _int(done.get("retries")) >= retries:
+        if done is not None and lenient_int(done.get("retries")) >= retries:
             return Decision(Outcome.DUPLICATE)
-        prior = max(known_deliveries, _int((seen or {}).get("n")))
+        prior = max(known_deliveries, lenient_int((seen or {}).get("n")))
         deliveries = prior + 1
         value = {
-            "lease": lease.name, "worker": self.worker, "delivery_tag": _tag(delivery_tag),
+            "lease": lease.name, "worker": self.worker, "delivery_tag": json_tag(delivery_tag),
             "queue": queue, "exchange": exchange, "routing_key": routing_key,
             "deliveries": deliveries, "retries": retries, "claimed_at": time.time(),
         }
@@ -226,10 +228,10 @@ class Claimer:
                 return Decision(Outcome.PARK, deliveries=prior)
             if current.alive:
                 return Decision(Outcome.PARK, holder=current.holder,
-                                deliveries=max(prior, _int(current.value.get("deliveries"))))
+                                deliveries=max(prior, lenient_int(current.value.get("deliveries"))))
             # Its lease died between claim and claimant: count it and try again next time.
             return Decision(Outcome.PARK, holder=current.holder,
-                            deliveries=max(prior, _int(current.value.get("deliveries"))))
+                            deliveries=max(prior, lenient_int(current.value.get("deliveries"))))
         if deliveries >= self.max_deliveries:
             return Decision(Outcome.POISON, token=token, deliveries=deliveries)
         recovered = (seen or {}).get("recovered_at")
@@ -281,12 +283,14 @@ def record_requeues(store: LeaseStore, claims: list[Claim], ttl_s: float) -> Non
     for claim in claims:
         task_id = claim.key.split("task:", 1)[-1]
         items.append((deliveries_key(task_id),
-                      {"n": _int(claim.value.get("deliveries")), "recovered_at": time.time()}))
+                      {"n": lenient_int(claim.value.get("deliveries")),
+                       "recovered_at": time.time()}))
     if items:
         store.put_many(items, ttl_s=ttl_s)
 
 
-def _int(value: object) -> int:
+def lenient_int(value: object) -> int:
+    """An int from a header or record written by someone else; 0 for anything unusable."""
     if not isinstance(value, int | float | str):
         return 0
     try:
@@ -295,6 +299,7 @@ def _int(value: object) -> int:
         return 0
 
 
-def _tag(tag: Any) -> Any:
+def json_tag(tag: Any) -> Any:
+    """A delivery tag as JSON can hold it (kombu's Redis tags are str, AMQP's int)."""
     return tag if isinstance(tag, int | str) or tag is None else str(tag)
 

@@ -31,7 +31,7 @@ from ..config import CrawlConfig
 from ..errors import LeaseLost, PoisonMessage, StoreError
 from ..leases.base import Lease, LeaseStore
 from .broker import BrokerOps, broker_ops
-from .claims import ClaimBook, Claimer, Decision, Held, Outcome
+from .claims import ClaimBook, Claimer, Decision, Held, Outcome, lenient_int
 from .context import CLAIM_HEADER
 from .guards import check_beat, check_memory, check_pool
 from .keeper import Keeper
@@ -238,7 +238,7 @@ class LeaseStep(bootsteps.StartStopStep):
             held = Held(
                 task_id=str(headers["id"]), delivery_tag=message.delivery_tag,
                 queue=info.get("routing_key"), deliveries=0,
-                retries=_int(headers.get("retries")), message=message,
+                retries=lenient_int(headers.get("retries")), message=message,
                 extra={"task": task_name, "run": (original, body, ack, reject, callbacks,
                                                   kwargs),
                        "exchange": info.get("exchange"), "routing_key": info.get("routing_key")},
@@ -628,15 +628,6 @@ class ClaimStep(bootsteps.StartStopStep):
 
     def shutdown(self, c: Any) -> None:
         self.stop(c)
-
-
-def _int(value: object) -> int:
-    if not isinstance(value, int | float | str):
-        return 0
-    try:
-        return int(value)
-    except ValueError:
-        return 0
 
 
 def _jsonable(value: Any) -> Any:
