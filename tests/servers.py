@@ -27,6 +27,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_cluster_port() -> int:
+    """A free port whose Redis Cluster bus port (port + 10000) is free and below 65536.
+
+    The kernel's ephemeral range reaches 60999, so ``free_port()`` alone can hand out a port
+    whose bus port does not exist, and redis-server then refuses to start.
+    """
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    for port in range(20000, 55000, 7):
+        try:
+            for p in (port, port + 10000):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
     """Poll ``predicate`` until it returns a truthy value; fail with ``what`` after the deadline."""
     deadline = time.monotonic() + timeout_s

@@ -17,7 +17,7 @@ from celery_crawl.config import CrawlConfig
 from celery_crawl.errors import ConfigError, CrawlError, LeaseLost, UnsupportedSetup
 from celery_crawl.leases import Characteristic, make_holder, open_store, require, store_for
 from celery_crawl.leases.redis import RedisLeaseStore, parse_redis_url, token_counter_key
-from tests.servers import EtcdServer, RedisServer, free_port
+from tests.servers import EtcdServer, RedisServer, free_cluster_port, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -277,7 +277,7 @@ def test_store_for_config_and_required_characteristics(redis_server: RedisServer
 
 
 def test_redis_cluster_is_refused_with_a_clear_error() -> None:
-    server = RedisServer(extra=["--cluster-enabled", "yes"]).start()
+    server = RedisServer(extra=["--cluster-enabled", "yes"], port=free_cluster_port()).start()
     try:
         store = open_store(server.url, namespace="cluster")
         with pytest.raises(UnsupportedSetup, match="Redis Cluster is not supported"):
