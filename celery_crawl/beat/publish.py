@@ -17,19 +17,26 @@ retries, capped by the lease's remaining validity.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from datetime import datetime
 from typing import Any
 
 from ..schedules import task_id_for
+from ..schedules.ids import task_id_for_text
 from .entries import BeatEntry
 from .state import format_slot
 
 __all__ = ["RETRY_INTERVAL_S", "Publisher", "task_id_for"]
 
+log = logging.getLogger("celery_crawl.beat")
+
 #: Pause between publish retries; the number of retries is what fits in the lease's validity.
 RETRY_INTERVAL_S = 0.2
 #: Publish options the scheduler sets itself; an entry cannot override them.
 _RESERVED = ("task_id", "producer", "serializer", "retry", "retry_policy")
+#: Keys the fast path passes to ``send_task_message`` itself; routing of a registered task
+#: returns some of them (its ``serializer``, say) and they must not be passed twice.
+_PASSED = frozenset(("serializer", "headers", "retry", "retry_policy", "producer", "task_id"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,6 +69,7 @@ class Publisher:
         self._prepared: dict[str, _Prepared] = {}
         self._slot_key: datetime | None = None
         self._slot_text = ""
+        self._fallback_logged: set[type[BaseException]] = set()
 
     def _prepare(self, entry: BeatEntry) -> _Prepared:
         cached = self._prepared.get(entry.name)
@@ -87,6 +95,7 @@ class Publisher:
         ignore_result = merged.pop("ignore_result", None)
         args, kwargs = tuple(entry.args), dict(entry.kwargs)
         routed = app.amqp.router.route(merged, entry.task, list(args), kwargs, task)
+        routed = {k: v for k, v in routed.items() if k not in _PASSED}
         prepared = _Prepared(entry, args, kwargs, user_headers, options, routed, expires,
                              time_limit, soft_time_limit, ignore_result)
         self._prepared[entry.name] = prepared
@@ -121,9 +130,9 @@ class Publisher:
             Exception: whatever kombu raises once the retries are exhausted.
         """
         p = self._prepare(entry)
-        task_id = task_id_for(self.namespace, entry.name, slot)
         if slot != self._slot_key:  # a burst shares one slot: format it once
             self._slot_key, self._slot_text = slot, format_slot(slot)
+        task_id = task_id_for_text(self.namespace, entry.name, self._slot_text)
         headers: dict[str, Any] = {
             **p.user_headers,
             "crawl_entry": entry.name,
@@ -143,7 +152,13 @@ class Publisher:
             )
             amqp.send_task_message(producer, entry.task, message, headers=headers,
                                    serializer="json", retry=False, **p.routed)
-        except Exception:
+        except Exception as exc:
+            if type(exc) not in self._fallback_logged:
+                # Broker errors are expected here; anything else means the fast path is
+                # broken for this app and every run pays for send_task: say so once a kind.
+                self._fallback_logged.add(type(exc))
+                log.warning("beat: publishing %r through send_task after %s: %s",
+                            entry.name, type(exc).__name__, exc)
             retries = max(0, int(remaining_s / RETRY_INTERVAL_S) - 1)
             if retries == 0:
                 raise

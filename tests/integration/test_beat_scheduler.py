@@ -117,6 +117,29 @@ def test_one_leader_publishes_each_slot_once_with_headers(
     store.close()
 
 
+def test_registered_task_is_published_on_the_fast_path(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler],
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A registered task's own options (serializer, queue) come back from routing; passing
+    them twice to send_task_message once sent every run through the slow send_task path."""
+    sched = {"reg": {"task": "t.registered", "schedule": EVERY_SECOND}}
+    app = make_app(redis_server, ns, sched, task_serializer="json")
+
+    @app.task(name="t.registered", serializer="json", queue=f"q-{ns}", shared=False)
+    def registered() -> None:  # pragma: no cover - never run here
+        return None
+
+    a = start(app, opened)
+    with caplog.at_level("WARNING", logger="celery_crawl.beat"):
+        run_for([a], 2.5)
+    msgs = drain(redis_server, ns)
+    assert msgs and all(m["crawl_entry"] == "reg" for m in msgs)
+    assert all(m["properties"]["delivery_info"]["routing_key"] == f"q-{ns}" for m in msgs)
+    assert not a._publisher._fallback_logged, caplog.text
+    assert "through send_task" not in caplog.text
+
+
 def test_handoff_continues_without_repeating_a_slot(
     redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
 ) -> None:
