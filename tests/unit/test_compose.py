@@ -3,14 +3,20 @@
 There is no Docker engine here, so each command is run as the container would run it, against
 local servers: hostnames and container ports are translated to loopback and free ports, paths
 under /data and /app to a temp dir and the checkout. Redis, etcd, the demo site, a beat replica,
-a worker and Flower are started from their compose commands, and each one's compose
-healthcheck must pass against it.
+a worker, Flower and (when the ``prometheus`` binary is installed: ``apt-get install
+prometheus``) Prometheus are started from their compose commands, and each one's compose
+healthcheck must pass against it. Without that binary the Prometheus config is still checked by
+``promtool check config`` when promtool is there, and always statically (YAML, scrape targets
+against the services' metrics ports).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -35,6 +41,31 @@ _VAR = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
 
 def _compose() -> dict[str, Any]:
     return yaml.safe_load(COMPOSE.read_text())
+
+
+def _prometheus_config() -> Path:
+    services = _compose()["services"]
+    mount = next(v for v in services["prometheus"]["volumes"] if "prometheus.yml" in v)
+    return ROOT / mount.split(":")[0]
+
+
+def command_lines_holding(secret: str) -> list[str]:
+    """Command lines of every process on this host that contain ``secret``.
+
+    A command line is world-readable (``ps``, ``/proc/<pid>/cmdline``); a process's
+    environment is readable only by its owner and root.
+    """
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+        except OSError:  # the process ended meanwhile
+            continue
+        if secret.encode() in raw:
+            found.append(raw.replace(b"\0", b" ").decode(errors="replace"))
+    return found
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:
@@ -66,16 +97,20 @@ def test_services_and_healthchecks() -> None:
     names = {services[w]["command"][services[w]["command"].index("-n") + 1]
              for w in ("worker-1", "worker-2")}
     assert len(names) == 2
-    flower = " ".join(services["flower"]["command"])
-    assert "--basic-auth=" in flower
+    # Flower's credentials come from its environment, never from a command line.
+    for name, svc in services.items():
+        argv = " ".join([*svc.get("command", []), *svc["healthcheck"]["test"]])
+        assert "--basic-auth" not in argv and "FLOWER_PASSWORD" not in argv, name
+    auth = services["flower"]["environment"]["FLOWER_BASIC_AUTH"]
+    assert interpolate(auth, {"FLOWER_PASSWORD": "pw"}) == "crawl:pw"
     with pytest.raises(ValueError, match="FLOWER_PASSWORD"):
-        interpolate(flower, {})
+        interpolate(auth, {})
 
 
 def test_prometheus_scrapes_every_metrics_port() -> None:
+    """Static: the config parses and scrapes exactly the beats' and workers' metrics ports."""
     services = _compose()["services"]
-    mount = next(v for v in services["prometheus"]["volumes"] if "prometheus.yml" in v)
-    config = yaml.safe_load((ROOT / mount.split(":")[0]).read_text())
+    config = yaml.safe_load(_prometheus_config().read_text())
     targets = {t for job in config["scrape_configs"] for sc in job["static_configs"]
                for t in sc["targets"]}
     exporters = {f"{name}:{svc['environment']['CRAWL_METRICS_PORT']}"
@@ -84,6 +119,17 @@ def test_prometheus_scrapes_every_metrics_port() -> None:
                  and name.startswith(("beat", "worker"))}
     assert exporters == {"beat-1:9100", "beat-2:9100", "worker-1:9100", "worker-2:9100"}
     assert targets == exporters
+
+
+def test_prometheus_config_passes_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (apt-get install prometheus); the config is "
+                    "still checked statically by test_prometheus_scrapes_every_metrics_port")
+    out = subprocess.run([promtool, "check", "config", str(_prometheus_config())],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout + out.stderr
 
 
 def test_files_the_compose_file_refers_to_exist() -> None:
@@ -117,8 +163,10 @@ class Translator:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
+        self.password = f"compose-{secrets.token_urlsafe(12)}"
+        self.env = {"FLOWER_PASSWORD": self.password}
         self.ports = {name: free_port() for name in
-                      ("redis", "etcd", "etcd-peer", "site", "proxy", "flower")}
+                      ("redis", "etcd", "etcd-peer", "site", "proxy", "flower", "prometheus")}
         p = self.ports
         self.common = [
             ("redis://redis:6379", f"redis://127.0.0.1:{p['redis']}"),
@@ -133,6 +181,8 @@ class Translator:
             ("127.0.0.1:8000", f"127.0.0.1:{p['site']}"),
             ("127.0.0.1:5555", f"127.0.0.1:{p['flower']}"),
             ("--port=5555", f"--port={p['flower']}"),
+            ("127.0.0.1:9090", f"127.0.0.1:{p['prometheus']}"),
+            ("/etc/prometheus/prometheus.yml", str(_prometheus_config())),
             ("0.0.0.0", "127.0.0.1"),
             ("/etcd-data", str(tmp / "etcd-data")),
             ("/data/", str(tmp) + "/"),
@@ -148,15 +198,19 @@ class Translator:
         return value
 
     def argv(self, service: str, argv: list[str], *, metrics_port: int | None) -> list[str]:
-        out = [self.text(interpolate(a, {"FLOWER_PASSWORD": "compose-test"}),
-                         metrics_port=metrics_port) for a in argv]
+        out = [self.text(interpolate(a, self.env), metrics_port=metrics_port) for a in argv]
+        if service == "prometheus" and out[0].startswith("--"):
+            # Arguments of the image's entrypoint (the prometheus binary), whose working
+            # directory holds the data; here both are explicit, on a loopback port.
+            out = ["prometheus", *out, f"--storage.tsdb.path={self.tmp / 'prometheus'}",
+                   f"--web.listen-address=127.0.0.1:{self.ports['prometheus']}"]
         if service == "demo-site":
             out = [self._port_arg(out, i, a) for i, a in enumerate(out)]
         if out[0] == "celery":
             out[0] = str(Path(sys.executable).with_name("celery"))
         elif out[0] == "python":
             out[0] = sys.executable
-        elif out[0] in ("redis-server", "etcd", "etcdctl"):
+        elif out[0] in ("redis-server", "etcd", "etcdctl", "prometheus"):
             out[0] = shutil.which(out[0]) or (etcd_binary() if out[0] == "etcd" else out[0])
         return out
 
@@ -202,9 +256,10 @@ def test_every_command_runs_and_passes_its_healthcheck(
                   "--dir", str(tmp_path)]
     env_base = {**os.environ, "ETCDCTL_API": "3"}
     unique: dict[str, str] = {}
+    prometheus = shutil.which("prometheus") is not None
     for name, svc in services.items():
-        if name == "prometheus":
-            continue  # no prometheus binary here: its config is checked above
+        if name == "prometheus" and not prometheus:
+            continue  # no prometheus binary here: its config is checked statically above
         key = " ".join(svc["command"]).replace(name, "<svc>")
         if key in unique.values():
             continue  # beat-2 / worker-2 run exactly what beat-1 / worker-1 run
@@ -213,7 +268,8 @@ def test_every_command_runs_and_passes_its_healthcheck(
     for name in unique:
         svc = services[name]
         port = free_port() if svc.get("environment", {}).get("CRAWL_METRICS_PORT") else None
-        env = {**env_base, **{k: translator.text(str(v), metrics_port=None)
+        env = {**env_base, **{k: translator.text(interpolate(str(v), translator.env),
+                                                 metrics_port=None)
                               for k, v in svc.get("environment", {}).items()}}
         if port is not None:
             env["CRAWL_METRICS_PORT"] = str(port)
@@ -233,7 +289,7 @@ def test_every_command_runs_and_passes_its_healthcheck(
                    what=f"{name} healthcheck ({proc.log_path})")
         assert proc.alive(), f"{name} exited:\n{proc.log()[-3000:]}"
         assert "Traceback" not in proc.log(), proc.log()[-3000:]
-    # Flower is behind basic auth.
+    # Flower is behind basic auth, and its password is on no command line of this host.
     import urllib.error
     import urllib.request
 
@@ -242,7 +298,19 @@ def test_every_command_runs_and_passes_its_healthcheck(
         urllib.request.urlopen(flower, timeout=10)
     assert denied.value.code == 401
     request = urllib.request.Request(flower, headers={
-        "Authorization": "Basic " + __import__("base64").b64encode(
-            b"crawl:compose-test").decode()})
+        "Authorization": "Basic " + base64.b64encode(
+            f"crawl:{translator.password}".encode()).decode()})
     with urllib.request.urlopen(request, timeout=10) as resp:
         assert resp.status == 200
+    assert command_lines_holding(translator.password) == []
+    if prometheus:
+        # The running Prometheus loaded the compose config: it scrapes every beat and worker.
+        api = f"http://127.0.0.1:{translator.ports['prometheus']}/api/v1/targets"
+
+        def scraped() -> set[str]:
+            with urllib.request.urlopen(api, timeout=10) as resp:
+                data = json.load(resp)["data"]
+            return {t["labels"]["instance"] for t in data["activeTargets"]}
+
+        wait_until(lambda: scraped() == {"beat-1:9100", "beat-2:9100", "worker-1:9100",
+                                         "worker-2:9100"}, 30, what="prometheus targets")
