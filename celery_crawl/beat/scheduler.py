@@ -218,6 +218,12 @@ class LeasedScheduler(Scheduler):
         offset = clock.maybe_recalibrate(SKEW_CHECK_S, k=3)
         self._next_skew = monotonic() + SKEW_CHECK_S
         if offset is None:
+            # Never measured: fail closed (a replica whose skew is unknown may be the skewed
+            # one) and try again soon. A failed re-measurement keeps the last known offset.
+            self._skew_reason = ("not leading: the wall clock could not be compared with the "
+                                 "reference clock yet (crawl_max_clock_skew guard)")
+            self._next_skew = monotonic() + 1.0
+            self._apply_block()
             return
         if abs(offset) > self.config.max_clock_skew_s:
             self._skew_reason = (

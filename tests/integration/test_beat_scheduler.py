@@ -407,3 +407,39 @@ def test_an_entry_in_beat_schedule_and_a_file_is_an_error_naming_both(
     messages = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert any("twice" in m and "beat_schedule" in m and "dup.toml" in m for m in messages), \
         messages
+
+
+def test_unmeasured_clock_skew_fails_closed(
+    etcd_server: Any, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    """With etcd leases the skew guard's reference is the broker's Redis: while that clock
+    cannot be read the replica's skew is unknown and it must not lead; once the reference
+    answers it measures the offset and leads."""
+    from tests.servers import free_port
+
+    port = free_port()
+    app = Celery(ns, set_as_current=False)
+    app.conf.update({
+        "broker_url": f"redis://127.0.0.1:{port}/1",
+        "crawl_lease_url": etcd_server.url,
+        "crawl_namespace": ns,
+        "crawl_beat_lease_ttl": 3,
+        "crawl_schedule_paths": [],
+        "crawl_store_timeout": 1.0,
+        "beat_schedule": {},
+    })
+    a = start(app, opened)
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        a.tick()
+        assert not a.election.is_leader
+        time.sleep(0.05)
+    assert "could not be compared" in (a.election.blocked_reason or "")
+    reference = RedisServer(port=port).start()
+    try:
+        wait_until(lambda: (a.tick(), a.election.is_leader)[1], 15,
+                   what="the replica leads once its clock is measured")
+        assert a._clock is not None and a._clock.offset_s is not None
+    finally:
+        a.close()
+        reference.cleanup()
