@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -443,3 +444,43 @@ def test_unmeasured_clock_skew_fails_closed(
     finally:
         a.close()
         reference.cleanup()
+
+
+def test_publish_retries_stay_within_the_lease_validity(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    """A frozen broker makes every publish attempt block for its socket timeout: the retries
+    are budgeted by the lease's remaining validity (time, not a count), so one tick never
+    outlives the lease, and the slot is recorded as publish_failed."""
+    import signal
+
+    broker = RedisServer().start()
+    try:
+        sched = {"tick": {"task": "t.record", "schedule": EVERY_SECOND}}
+        app = make_app(redis_server, ns, sched, crawl_beat_lease_ttl=3.0,
+                       broker_url=broker.url_db(1),
+                       broker_transport_options={"socket_timeout": 0.7,
+                                                 "socket_connect_timeout": 0.7})
+        a = start(app, opened)
+        wait_until(lambda: (a.tick(), broker.client(1).llen(f"q-{ns}"))[1] >= 1, 15,
+                   what="a first publish")
+        assert broker.proc is not None
+        os.killpg(broker.proc.pid, signal.SIGSTOP)
+        try:
+            worst = 0.0
+            deadline = time.monotonic() + 8.0
+            while time.monotonic() < deadline:
+                t0 = time.monotonic()
+                a.tick()
+                worst = max(worst, time.monotonic() - t0)
+                time.sleep(0.05)
+        finally:
+            os.killpg(broker.proc.pid, signal.SIGCONT)
+        store = open_store(redis_server.url_db(0), namespace=ns)
+        skips = SkipLog.from_record(store.get(keys.beat_skips("tick")))
+        store.close()
+        print(f"longest tick with a frozen broker: {worst:.2f}s (ttl 3 s)")
+        assert worst < 4.5, worst  # the validity (< ttl 3 s) plus one attempt, with headroom
+        assert skips.totals.get("publish_failed", 0) >= 1, skips.totals
+    finally:
+        broker.cleanup()
