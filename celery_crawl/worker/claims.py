@@ -8,7 +8,8 @@ A delivery of task ``id`` is decided in this order (one ``get_many`` and one ``c
 1. a ``done/<id>`` tombstone written by a run with at least as many retries → **duplicate**
    (ack and drop; a later retry of the same id carries more retries and does run);
 2. claim ``task:<id>`` bound to this worker's lease; a live claim elsewhere (or here) →
-   **park** (neither run nor ack) and decide again later;
+   **park** (neither run nor ack) and decide again later (a parked delivery reads the claim
+   first, and claims only once it is gone or its lease dead);
 3. the delivery count (kept in ``deliveries/<id>`` by whoever requeued the task: the reaper, or
    this worker when a child died) reaches ``crawl_max_deliveries`` → **poison** (end as FAILURE
    without running);
@@ -16,6 +17,14 @@ A delivery of task ``id`` is decided in this order (one ``get_many`` and one ``c
 
 On completion the tombstone is written *before* the claim is deleted, so a parked duplicate never
 sees "no claim and no tombstone" for a task that has in fact finished.
+
+When a delivery takes over the task of a dead worker, the decision carries an estimate of when that
+worker died (``died_at``, for the preemption latency metric): whoever first finds the dead lease
+(the reaper, or a worker whose parked copy waited for it) brackets the instant the store expired it
+between the last time it was seen alive and the time it was seen dead, and subtracts the lease's
+TTL: that is the lease's last successful renewal, the last moment the worker is known to have been
+alive (``estimate_death``). The store keeps no renewal time (renewal stays one O(1) round trip),
+so the estimate is what the expiry implies.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -40,7 +50,9 @@ __all__ = [
     "Held",
     "Outcome",
     "deliveries_key",
+    "estimate_death",
     "json_tag",
+    "lenient_float",
     "lenient_int",
 ]
 
@@ -71,14 +83,17 @@ class Decision:
         token: the claim token (RUN and POISON).
         deliveries: the delivery count of this delivery (1 for a first delivery).
         holder: the holder of the live claim that made us park (PARK).
-        recovered_at: UNIX time the reaper returned this task to its queue, if it did (RUN).
+        alive_at: UNIX time just before the read that found that claim alive (PARK).
+        died_at: estimated UNIX time the worker whose task this delivery takes over died, when
+            it takes over a dead worker's task (RUN; see ``estimate_death``).
     """
 
     outcome: Outcome
     token: int | None = None
     deliveries: int = 1
     holder: str | None = None
-    recovered_at: float | None = None
+    alive_at: float | None = None
+    died_at: float | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -97,9 +112,10 @@ class Held:
     lease_name: str | None = None
     holder: str | None = None
     parked: bool = False
+    #: UNIX time the live claim we park behind was last seen alive (see ``Decision.alive_at``).
+    alive_at: float | None = None
     fenced: bool = False
     retries: int = 0
-    since: float = dataclasses.field(default_factory=time.monotonic)
     message: Any = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Unique per delivery: a message restored twice can reach us twice with the same tag.
@@ -168,6 +184,7 @@ class Claimer:
         max_deliveries: ``crawl_max_deliveries``.
         done_ttl_s: ``crawl_done_ttl``: how long tombstones and delivery counts are kept.
         worker: hostname recorded in claims (for ``status`` and ``crawl_leases``).
+        recheck_s: how often parked deliveries are looked at again (bounds ``died_at``).
     """
 
     def __init__(
@@ -178,12 +195,14 @@ class Claimer:
         max_deliveries: int,
         done_ttl_s: float,
         worker: str = "",
+        recheck_s: float = 1.0,
     ) -> None:
         self.store = store
         self._lease = lease
         self.max_deliveries = max_deliveries
         self.done_ttl_s = done_ttl_s
         self.worker = worker
+        self.recheck_s = recheck_s
 
     def decide(
         self,
@@ -195,11 +214,19 @@ class Claimer:
         routing_key: str | None = None,
         retries: int = 0,
         known_deliveries: int = 0,
+        parked: bool = False,
+        holder: str | None = None,
+        alive_at: float | None = None,
     ) -> Decision:
         """Decide one delivery (a fresh one, or a parked one being looked at again).
 
         Args:
             known_deliveries: a delivery count already known from a claimant seen while parked.
+            parked: a parked delivery looked at again: the claim is read before claiming, so a
+                claim still alive costs no claim attempt and a dead one is recognised as the
+                task of a dead worker (``Decision.died_at``).
+            holder: the holder of the live claim we parked behind (``Decision.holder``).
+            alive_at: when that claim was last seen alive (``Decision.alive_at``).
 
         Raises:
             StoreError: the store failed; the caller requeues the message (fails closed).
@@ -207,37 +234,54 @@ class Claimer:
         lease = self._lease()
         if lease is None:
             return Decision(Outcome.NO_LEASE)
+        key = keys.task_claim(task_id)
         done, seen = self.store.get_many([keys.done(task_id), deliveries_key(task_id)])
         if done is not None and lenient_int(done.get("retries")) >= retries:
             return Decision(Outcome.DUPLICATE)
         prior = max(known_deliveries, lenient_int((seen or {}).get("n")))
+        # Set by the reaper when it found the previous claimant's lease dead.
+        died_at = lenient_float((seen or {}).get("died_at"))
+        if parked:
+            read_at = time.time()
+            current = self.store.claimant(key)
+            if current is not None:
+                prior = max(prior, lenient_int(current.value.get("deliveries")))
+                if current.alive:
+                    return Decision(Outcome.PARK, holder=current.holder, deliveries=prior,
+                                    alive_at=read_at)
+                # We saw it alive and now dead: its lease expired in between.
+                died_at = estimate_death(
+                    dead_at=time.time(),
+                    alive_at=alive_at if current.holder == holder else None,
+                    ttl_s=lenient_float(current.value.get("ttl_s")) or lease.ttl_s,
+                    claimed_at=lenient_float(current.value.get("claimed_at")),
+                    window_s=self.recheck_s)
         deliveries = prior + 1
         value = {
             "lease": lease.name, "worker": self.worker, "delivery_tag": json_tag(delivery_tag),
             "queue": queue, "exchange": exchange, "routing_key": routing_key,
-            "deliveries": deliveries, "retries": retries, "claimed_at": time.time(),
+            "deliveries": deliveries, "retries": retries, "ttl_s": lease.ttl_s,
+            "claimed_at": time.time(),
         }
         try:
-            token = self.store.claim(lease, keys.task_claim(task_id), value)
+            token = self.store.claim(lease, key, value)
         except LeaseLost:
             return Decision(Outcome.NO_LEASE)
         if token is None:
-            current = self.store.claimant(keys.task_claim(task_id))
+            read_at = time.time()
+            current = self.store.claimant(key)
             if current is None:
                 # Ended between our two calls: look again on the next re-check.
                 return Decision(Outcome.PARK, deliveries=prior)
+            counted = max(prior, lenient_int(current.value.get("deliveries")))
             if current.alive:
-                return Decision(Outcome.PARK, holder=current.holder,
-                                deliveries=max(prior, lenient_int(current.value.get("deliveries"))))
+                return Decision(Outcome.PARK, holder=current.holder, deliveries=counted,
+                                alive_at=read_at)
             # Its lease died between claim and claimant: count it and try again next time.
-            return Decision(Outcome.PARK, holder=current.holder,
-                            deliveries=max(prior, lenient_int(current.value.get("deliveries"))))
+            return Decision(Outcome.PARK, holder=current.holder, deliveries=counted)
         if deliveries >= self.max_deliveries:
             return Decision(Outcome.POISON, token=token, deliveries=deliveries)
-        recovered = (seen or {}).get("recovered_at")
-        return Decision(Outcome.RUN, token=token, deliveries=deliveries,
-                        recovered_at=float(recovered) if isinstance(recovered, int | float)
-                        else None)
+        return Decision(Outcome.RUN, token=token, deliveries=deliveries, died_at=died_at)
 
     def finish(self, held: Held, *, state: str, requeue: bool = False) -> None:
         """Record the end of a claimed delivery.
@@ -277,16 +321,55 @@ class Claimer:
         self.store.drop_claim(held.as_claim())
 
 
-def record_requeues(store: LeaseStore, claims: list[Claim], ttl_s: float) -> None:
-    """Keep the delivery counts of orphaned claims before they are dropped (reaper)."""
+def record_requeues(store: LeaseStore, claims: list[Claim], ttl_s: float,
+                    died_at: Mapping[str, float] | None = None) -> None:
+    """Keep the delivery counts of orphaned claims before they are dropped (reaper).
+
+    ``died_at`` maps a dead lease's name to the estimated instant its worker died; the worker
+    that runs the task next reads it from the same record (``Decision.died_at``).
+    """
     items: list[tuple[str, Mapping[str, Any]]] = []
+    now = time.time()
     for claim in claims:
         task_id = claim.key.split("task:", 1)[-1]
-        items.append((deliveries_key(task_id),
-                      {"n": lenient_int(claim.value.get("deliveries")),
-                       "recovered_at": time.time()}))
+        record: dict[str, Any] = {"n": lenient_int(claim.value.get("deliveries")),
+                                  "recovered_at": now}
+        died = (died_at or {}).get(claim.lease_name)
+        if died is not None:
+            record["died_at"] = died
+        items.append((deliveries_key(task_id), record))
     if items:
         store.put_many(items, ttl_s=ttl_s)
+
+
+def estimate_death(*, dead_at: float, alive_at: float | None, ttl_s: float,
+                   claimed_at: float | None, window_s: float) -> float:
+    """Estimated UNIX time a worker died, from when its lease was seen alive and then dead.
+
+    The store expired the lease ``ttl_s`` after its last successful renewal, at some instant
+    after ``alive_at`` (unknown: ``window_s`` before ``dead_at``, the interval at which the
+    finder looks) and after the worker's latest claim ``claimed_at`` (it was alive then), and no
+    later than ``dead_at``. The middle of that window minus ``ttl_s`` is the estimated last
+    renewal, returned as the death instant (never before ``claimed_at``). The worker really died
+    between that renewal and the next one, due ``ttl/3`` later, so a latency measured from the
+    estimate is at most ``ttl/3`` too long, give or take half the window.
+    """
+    start = dead_at - window_s if alive_at is None else alive_at
+    if claimed_at is not None:
+        start = max(start, claimed_at)
+    start = min(start, dead_at)
+    died = (start + dead_at) / 2 - ttl_s
+    if claimed_at is not None:
+        died = max(died, min(claimed_at, dead_at))
+    return died
+
+
+def lenient_float(value: object) -> float | None:
+    """A finite float from a record written by someone else; None for anything unusable."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
 
 
 def lenient_int(value: object) -> int:

@@ -2,11 +2,19 @@
 
 Any worker may hold the ``reaper`` lease; the holder looks every ``crawl_reaper_interval`` for
 claims whose lease is dead (``orphaned_claims``). For each it keeps the delivery count (so a task
-that keeps killing its worker ends as poison after ``crawl_max_deliveries``), asks the broker to
-redeliver exactly the claimed delivery tags (Redis: kombu's ``restore_by_tag``; RabbitMQ: the
-broker already requeued them when the dead connection closed) and then drops the claim. A claim is
-dropped only after its tag was restored, so a reaper that dies half-way leaves work for the next
-one rather than a stuck task; ``restore_by_tag`` is idempotent, so doing it twice is harmless.
+that keeps killing its worker ends as poison after ``crawl_max_deliveries``) together with the
+estimated instant the worker died, then drops the claim (compare-and-delete on its token) and,
+for the claims it dropped only, asks the broker to redeliver exactly their delivery tags (Redis:
+kombu's ``restore_by_tag``; RabbitMQ: the broker already requeued them when the dead connection
+closed). Dropping first means a claim re-taken since the pass read it (a live delivery with the
+same tag) is never restored a second time, and two reapers never restore one tag twice. The
+consequence: a reaper that dies between dropping and restoring leaves the message unacked with no
+claim pointing at it, so no later pass finds it; kombu's visibility timeout redelivers it.
+
+Death estimate: a lease the reaper finds dead expired after its previous complete pass (while it
+held the reaper lease; otherwise one interval earlier) and before this one; the middle of that
+window minus the lease's TTL is its last renewal (``claims.estimate_death``). The worker that
+runs the task next observes the preemption latency from it.
 
 Bound (Redis broker): a task of a worker killed at time T runs elsewhere by about
 ``T + ttl + reaper_interval`` (+ one renewal interval of slack, + queue wait).
@@ -22,9 +30,9 @@ from typing import Any
 
 from .. import keys, metrics
 from ..errors import LeaseLost, StoreError
-from ..leases.base import Lease, LeaseStore
+from ..leases.base import Claim, Lease, LeaseStore
 from .broker import BrokerOps
-from .claims import record_requeues
+from .claims import estimate_death, lenient_float, record_requeues
 from .keeper import boottime
 
 __all__ = ["Reaper"]
@@ -67,6 +75,8 @@ class Reaper:
         self.clock = clock
         self._lease: Lease | None = None
         self._next = 0.0
+        #: UNIX time of this reaper's last complete pass while it held the lease since.
+        self._last_pass_at: float | None = None
         self.recovered = 0
         self.passes = 0
 
@@ -98,16 +108,23 @@ class Reaper:
             logger.debug("celery-crawl: reaper lease: %s", exc)
             if lease is not None and self.clock() >= lease.valid_until:
                 self._lease = None
+        if lease is None or self._lease is None or self._lease.token != lease.token:
+            # Not reaping continuously: another reaper may have passed meanwhile.
+            self._last_pass_at = None
         return self.leading
 
     def run_once(self) -> int:
         """Recover every orphaned claim found in one pass; returns how many were recovered."""
         self.passes += 1
+        read_at = time.time()
         claims = self.store.orphaned_claims(limit=self.limit)
+        found_at = time.time()
         if not claims:
+            self._last_pass_at = read_at
             return 0
         t0 = time.monotonic()
-        record_requeues(self.store, claims, self.done_ttl_s)
+        record_requeues(self.store, claims, self.done_ttl_s,
+                        died_at=self._death_estimates(claims, found_at))
         # Drop first (compare-and-delete on the claim token), restore only what we dropped: a
         # claim re-taken since we read it belongs to a live delivery whose tag must not be
         # restored again.
@@ -123,12 +140,30 @@ class Reaper:
             raise
         self.recovered += dropped
         metrics.WORKER_RECOVERIES.inc(dropped)
+        # A truncated pass left orphans unread: they may have died before this pass.
+        self._last_pass_at = read_at if len(claims) < self.limit else None
         logger.warning(
             "celery-crawl: reaper recovered %d task(s) of dead worker lease(s) %s in %.3fs "
             "(broker: %s)", dropped, sorted({c.lease_name for c in claims}),
             time.monotonic() - t0, self.broker.kind,
         )
         return dropped
+
+    def _death_estimates(self, claims: list[Claim], found_at: float) -> dict[str, float]:
+        """Estimated death instant of each dead lease among ``claims``, by lease name."""
+        by_lease: dict[str, list[Claim]] = {}
+        for claim in claims:
+            by_lease.setdefault(claim.lease_name, []).append(claim)
+        out: dict[str, float] = {}
+        for name, own in by_lease.items():
+            claimed = [lenient_float(c.value.get("claimed_at")) for c in own]
+            ttls = [lenient_float(c.value.get("ttl_s")) for c in own]
+            out[name] = estimate_death(
+                dead_at=found_at, alive_at=self._last_pass_at,
+                ttl_s=max((t for t in ttls if t), default=self.ttl_s),
+                claimed_at=max((t for t in claimed if t), default=None),
+                window_s=self.interval_s)
+        return out
 
     def release(self) -> None:
         lease, self._lease = self._lease, None

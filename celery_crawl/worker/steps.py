@@ -106,7 +106,8 @@ class LeaseStep(bootsteps.StartStopStep):
         self.keeper.hooks = [self._refresh_unacked, self._drain_backlog, self.reaper]
         self.claimer = Claimer(self.store, lambda: self.keeper.lease if self.keeper else None,
                                max_deliveries=config.max_deliveries,
-                               done_ttl_s=config.done_ttl_s, worker=self.hostname)
+                               done_ttl_s=config.done_ttl_s, worker=self.hostname,
+                               recheck_s=self._recheck_s)
         lease = self.keeper.acquire_blocking(timeout_s=max(config.worker_lease_ttl_s, 5.0))
         self.keeper.start()
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_addr)
@@ -164,12 +165,16 @@ class LeaseStep(bootsteps.StartStopStep):
         self.consumer = c
         for name in list(c.strategies):
             c.strategies[name] = self._wrap(name, c.strategies[name])
-        interval = min(1.0, self.config.worker_lease_ttl_s / 3)
-        c._crawl_recheck = c.timer.call_repeatedly(interval, self._recheck_parked)
+        c._crawl_recheck = c.timer.call_repeatedly(self._recheck_s, self._recheck_parked)
         if self.keeper is not None and self.keeper.lease is None and (
             self.config.on_lease_loss == "cancel"
         ):
             self._stop_consuming(c, "no worker lease held")
+
+    @property
+    def _recheck_s(self) -> float:
+        """How often parked deliveries are looked at again."""
+        return min(1.0, self.config.worker_lease_ttl_s / 3)
 
     def _forget_unstarted(self, *, everything: bool) -> None:
         """Drop the claims of deliveries that will not run here (no tombstone: they run again).
@@ -256,11 +261,13 @@ class LeaseStep(bootsteps.StartStopStep):
             decision = self.claimer.decide(
                 held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
                 exchange=held.extra.get("exchange"), routing_key=held.extra.get("routing_key"),
-                retries=held.retries, known_deliveries=held.deliveries)
+                retries=held.retries, known_deliveries=held.deliveries, parked=held.parked,
+                holder=held.holder, alive_at=held.alive_at)
         except StoreError as exc:
             # Fail closed: neither run nor drop; look again on the next re-check.
             logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, exc)
-            decision = Decision(Outcome.PARK, deliveries=held.deliveries)
+            decision = Decision(Outcome.PARK, deliveries=held.deliveries, holder=held.holder,
+                                alive_at=held.alive_at)
         outcome = decision.outcome
         if outcome is Outcome.NO_LEASE:
             self.book.pop(held)
@@ -275,6 +282,7 @@ class LeaseStep(bootsteps.StartStopStep):
         elif outcome is Outcome.PARK:
             held.parked = True
             held.holder = decision.holder
+            held.alive_at = decision.alive_at
             held.deliveries = decision.deliveries
             self.book.add(held)
             if first:
@@ -292,15 +300,14 @@ class LeaseStep(bootsteps.StartStopStep):
             self.book.add(held)
             if not first:
                 metrics.WORKER_DUPLICATES_PARKED.labels("run").inc()
-                # RabbitMQ redelivers at once: time parked ~ time since the claimant died.
-                metrics.WORKER_PREEMPTION_LATENCY.observe(time.monotonic() - held.since)
-            elif decision.recovered_at is not None:
-                metrics.WORKER_PREEMPTION_LATENCY.observe(
-                    max(0.0, time.time() - decision.recovered_at))
             if outcome is Outcome.POISON:
                 self._poison(held)
             else:
                 self._run(held)
+                if decision.died_at is not None:
+                    # The task of a dead worker, now handed to the pool here: from its death.
+                    metrics.WORKER_PREEMPTION_LATENCY.observe(
+                        max(0.0, time.time() - decision.died_at))
         metrics.WORKER_CLAIMS.set(len(self.book))
 
     def _run(self, held: Held) -> None:

@@ -6,6 +6,7 @@ No Celery processes here: these pin the store-side behaviour the system tests re
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -20,7 +21,7 @@ from celery_crawl.worker.claims import Claimer, Held, Outcome, deliveries_key
 from celery_crawl.worker.guards import check_memory, check_pool
 from celery_crawl.worker.keeper import Keeper
 from celery_crawl.worker.reaper import Reaper
-from tests.servers import EtcdServer, RedisServer
+from tests.servers import EtcdServer, RedisServer, wait_until
 
 
 @pytest.fixture(params=["redis", "etcd"])
@@ -95,6 +96,93 @@ def test_reaper_drops_orphans_of_a_dead_lease(store: LeaseStore) -> None:
     assert store.get(deliveries_key("r2")) is not None
     assert store.get(deliveries_key("r2"))["n"] == 2  # type: ignore[index]
     reaper.release()
+    alive.stop()
+
+
+#: How far a death estimate may be from the dead lease's last renewal: half the finder's
+#: polling window plus etcd's expiry granularity (its lessor revokes expired leases every 0.5 s).
+ESTIMATE_SLACK_S = 0.75
+
+
+def _renewed_then_dead(store: LeaseStore, task_ids: list[str]) -> tuple[Keeper, float]:
+    """A worker lease that claims ``task_ids``, renews once more and then stops renewing (as
+    if its worker were killed); returns the keeper and the wall time of that last renewal."""
+    dead = Keeper(store, ttl_s=3.0)
+    lease = dead.acquire_blocking(5)
+    store.claim_many(lease, [(keys.task_claim(t), {"delivery_tag": f"d-{t}", "deliveries": 1,
+                                                   "ttl_s": lease.ttl_s,
+                                                   "claimed_at": time.time()})
+                             for t in task_ids])
+    time.sleep(0.3)  # the renewal below must be distinguishable from the claims
+    renewed_at = time.time()
+    dead._next_renew = 0.0
+    dead.tick(hooks=False)
+    assert dead.renew_ok == 1
+    return dead, renewed_at
+
+
+def test_reaper_estimates_the_death_and_the_next_run_carries_it(store: LeaseStore) -> None:
+    alive = Keeper(store, ttl_s=3.0)
+    alive.acquire_blocking(5)
+    alive.start()  # renewed on its thread while the other lease dies
+    dead, renewed_at = _renewed_then_dead(store, ["e1", "e2"])
+    reaper = Reaper(store, AmqpBroker(), holder=lambda: alive.holder, ttl_s=3.0,
+                    interval_s=0.2, done_ttl_s=60)
+
+    def reaped() -> bool:
+        reaper()
+        return reaper.recovered == 2
+
+    wait_until(reaped, 3 * (3.0 + 1.0), interval_s=0.05, what="the reaper found the dead lease")
+    found_at = time.time()
+    record = store.get(deliveries_key("e1"))
+    assert record is not None and record["n"] == 1
+    # The lease's last renewal, not the moment the reaper found it dead (a TTL later).
+    assert abs(record["died_at"] - renewed_at) <= ESTIMATE_SLACK_S, (record, renewed_at)
+    assert found_at - record["died_at"] >= 3.0 - ESTIMATE_SLACK_S
+    claimer = Claimer(store, lambda: alive.lease, max_deliveries=5, done_ttl_s=60)
+    decision = claimer.decide("e1", delivery_tag="d-e1-again", queue="q")
+    assert decision.outcome is Outcome.RUN and decision.deliveries == 2
+    assert decision.died_at == record["died_at"]
+    # A first delivery of a task nobody died running carries no estimate.
+    fresh = claimer.decide("e-fresh", delivery_tag="f", queue="q")
+    assert fresh.outcome is Outcome.RUN and fresh.died_at is None
+    reaper.release()
+    dead.stop(release=False)
+    alive.stop()
+
+
+def test_parked_delivery_estimates_the_death_of_the_claimant(store: LeaseStore) -> None:
+    alive = Keeper(store, ttl_s=3.0)
+    alive.acquire_blocking(5)
+    alive.start()  # renewed on its thread while the other lease dies
+    dead, renewed_at = _renewed_then_dead(store, ["p1"])
+    claimer = Claimer(store, lambda: alive.lease, max_deliveries=5, done_ttl_s=60,
+                      recheck_s=0.1)
+    held = Held(task_id="p1", delivery_tag="d-p1-copy", queue="q", deliveries=0)
+    first = claimer.decide("p1", delivery_tag=held.delivery_tag, queue="q")
+    assert first.outcome is Outcome.PARK and first.holder == dead.holder
+    assert first.alive_at is not None
+    held.parked, held.holder, held.alive_at = True, first.holder, first.alive_at
+    held.deliveries = first.deliveries
+
+    def taken_over() -> object:
+        decision = claimer.decide("p1", delivery_tag=held.delivery_tag, queue="q",
+                                  known_deliveries=held.deliveries, parked=True,
+                                  holder=held.holder, alive_at=held.alive_at)
+        if decision.outcome is Outcome.PARK:
+            held.holder, held.alive_at = decision.holder, decision.alive_at
+            return None
+        return decision
+
+    decision = wait_until(taken_over, 3 * (3.0 + 1.0), interval_s=0.1,
+                          what="the parked copy took the dead claim over")
+    assert decision.outcome is Outcome.RUN and decision.deliveries == 2
+    assert decision.died_at is not None
+    assert abs(decision.died_at - renewed_at) <= ESTIMATE_SLACK_S, (decision, renewed_at)
+    current = store.claimant(keys.task_claim("p1"))
+    assert current is not None and current.alive and current.holder == alive.holder
+    dead.stop(release=False)
     alive.stop()
 
 
