@@ -68,6 +68,12 @@ def test_worker_killed_mid_crawl_loses_and_duplicates_nothing(
         # The page being fetched when the worker died was fetched again by the survivor.
         assert [h["path"] for h in site.hits("/item/k/")].count(in_flight) == 2
         _assert_fenced_history(sink, [listing, *items])
+        # No duplicate upserts: one accepted write per URL, in the event log and in the row's
+        # own count (the killed fetch never reached the sink; the re-run wrote once).
+        for url in [listing, *items]:
+            accepted = [e for e in events(sink) if e["url"] == url and e["accepted"]]
+            assert len(accepted) == 1, (url, accepted)
+            assert got[url]["writes"] == 1, (url, got[url])
     finally:
         victim.stop()
         if survivor is not None:
