@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -92,6 +93,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="per measurement")
     args = parser.parse_args()
     kinds = ["redis"] + (["etcd"] if etcd_binary() else [])
+    if "etcd" not in kinds:
+        print("note: no etcd binary on PATH (apt-get install etcd-server): etcd rows left out",
+              file=sys.stderr)
     rows = []
     with _stores(kinds) as stores:
         for kind, store in stores:

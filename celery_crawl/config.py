@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import zoneinfo
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,6 +86,7 @@ class CrawlConfig:
             values["crawl_done_ttl"] = (
                 expires.total_seconds() if hasattr(expires, "total_seconds") else expires
             ) or 86400.0
+        _check_timezone(conf.get("timezone"))
         return cls.from_mapping(values)
 
     @classmethod
@@ -144,6 +147,13 @@ class CrawlConfig:
         timeout = _dur("crawl_store_timeout", v["crawl_store_timeout"])
         if timeout <= 0:
             raise ConfigError("crawl_store_timeout: must be positive")
+        for name, ttl in (("crawl_beat_lease_ttl", beat_ttl),
+                          ("crawl_worker_lease_ttl", worker_ttl)):
+            if timeout >= ttl:
+                raise ConfigError(
+                    f"crawl_store_timeout: {timeout:g}s is not shorter than {name} ({ttl:g}s): "
+                    "one hung renewal would outlast the lease; lower the timeout or raise "
+                    "the ttl")
         return cls(
             lease_url=url, namespace=namespace, beat_lease_ttl_s=beat_ttl,
             worker_lease_ttl_s=worker_ttl, reaper_interval_s=reaper_s, max_clock_skew_s=skew,
@@ -163,6 +173,19 @@ def plain_redis_url(url: object) -> str | None:
     scheme, rest = url.split("://", 1)
     mapped = _REDIS_BACKEND_SCHEMES.get(scheme.rsplit("+", 1)[-1])
     return f"{mapped}://{rest}" if mapped else None
+
+
+def _check_timezone(tz: object) -> None:
+    """Celery's ``timezone`` names the zone of its own schedules (``crontab``, ``solar``) that
+    the beat plugin runs; an unknown name would only fail at the first due check."""
+    if tz is None or isinstance(tz, dt.tzinfo):
+        return
+    if not isinstance(tz, str) or not tz:
+        raise ConfigError(f"timezone: {tz!r} is not an IANA zone name")
+    try:
+        zoneinfo.ZoneInfo(tz)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError) as exc:
+        raise ConfigError(f"timezone: {tz!r} is not a known IANA zone ({exc})") from None
 
 
 def _dur(name: str, value: object) -> float:

@@ -22,7 +22,7 @@ from celery_crawl.errors import LeaseLost, StoreError
 from celery_crawl.leases import make_holder, open_store
 
 NAME = "race"
-TTL_S = 2.0
+TTL_S = 3.0  # about 3 s: etcd rounds up to whole seconds and has a floor of 2 s
 
 
 def now() -> float:

@@ -38,6 +38,7 @@ def make_app(server: RedisServer, ns: str, schedule: dict[str, Any], **conf: Any
         "crawl_lease_url": server.url_db(0),
         "crawl_namespace": ns,
         "crawl_beat_lease_ttl": 1.5,
+        "crawl_store_timeout": 1.0,
         "crawl_schedule_paths": [],
         "beat_schedule": schedule,
         "task_default_queue": f"q-{ns}",

@@ -39,7 +39,7 @@ from tests.servers import EtcdServer, RedisServer, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 #: etcd's floor; Redis takes the same so one body fits both.
-TTL_S = 2.0
+TTL_S = 3.0  # about 3 s: etcd rounds up to whole seconds and has a floor of 2 s
 #: generous bound for "the server expired it" on a loaded 2-core machine (3x headroom)
 EXPIRY_BOUND_S = 3 * (TTL_S + 1.0)
 

@@ -17,6 +17,7 @@ records come through, and the leader change extends every lease (by the election
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -172,7 +173,10 @@ def _etcd_driver_or_skip() -> None:
     try:
         from celery_crawl.leases import etcd  # noqa: F401
     except ImportError as exc:
-        pytest.skip(f"the etcd lease store (celery_crawl.leases.etcd) is not available: {exc}")
+        reason = f"the etcd lease store (celery_crawl.leases.etcd) is not available: {exc}"
+        if os.environ.get("CRAWL_REQUIRE_ETCD") == "1":
+            pytest.fail(f"{reason} (CRAWL_REQUIRE_ETCD=1)")
+        pytest.skip(reason)
 
 
 def _renew_through(store: LeaseStore, lease: Lease, bound_s: float) -> tuple[Lease, int]:

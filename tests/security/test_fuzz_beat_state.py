@@ -118,7 +118,8 @@ def test_leader_keeps_dispatching_past_garbage_state(redis_server: RedisServer,
     app = Celery(ns, set_as_current=False)
     app.conf.update(
         broker_url=redis_server.url_db(1), crawl_lease_url=redis_server.url_db(0),
-        crawl_namespace=ns, crawl_beat_lease_ttl=1.5, crawl_schedule_paths=[],
+        crawl_namespace=ns, crawl_beat_lease_ttl=1.5, crawl_store_timeout=1.0,
+        crawl_schedule_paths=[],
         beat_schedule={name: {"task": "t.record", "schedule": EVERY_SECOND}
                        for name in ("a", "b", "c")},
         task_default_queue=f"q-{ns}", broker_connection_timeout=5,
@@ -147,7 +148,7 @@ def test_beat_logs_info_and_metrics_carry_no_password(acl_redis: AclRedis,
     app.conf.update(
         broker_url=acl_redis.url("beat", password, db=1),
         crawl_lease_url=acl_redis.url("beat", password), crawl_namespace=ns,
-        crawl_beat_lease_ttl=1.5, crawl_schedule_paths=[],
+        crawl_beat_lease_ttl=1.5, crawl_store_timeout=1.0, crawl_schedule_paths=[],
         beat_schedule={"a": {"task": "t.record", "schedule": EVERY_SECOND}},
         task_default_queue=f"q-{ns}", broker_connection_timeout=5,
     )

@@ -75,8 +75,32 @@ def test_etcd_lease_ttls_below_the_floor_are_refused() -> None:
             CrawlConfig.from_mapping({**GOOD, "crawl_lease_url": "etcd://127.0.0.1:2379",
                                       setting: 1.5})
     ok = CrawlConfig.from_mapping({**GOOD, "crawl_lease_url": "etcd://127.0.0.1:2379",
-                                   "crawl_beat_lease_ttl": 2, "crawl_worker_lease_ttl": "3s"})
+                                   "crawl_beat_lease_ttl": 2, "crawl_worker_lease_ttl": "3s",
+                                   "crawl_store_timeout": 1})
     assert (ok.beat_lease_ttl_s, ok.worker_lease_ttl_s) == (2.0, 3.0)
+
+
+def test_store_timeout_must_be_shorter_than_each_lease_ttl() -> None:
+    for setting in ("crawl_beat_lease_ttl", "crawl_worker_lease_ttl"):
+        with pytest.raises(ConfigError, match=f"crawl_store_timeout.*{setting}"):
+            CrawlConfig.from_mapping({**GOOD, setting: 2, "crawl_store_timeout": 2})
+    ok = CrawlConfig.from_mapping({**GOOD, "crawl_beat_lease_ttl": 1.5,
+                                   "crawl_store_timeout": 1})
+    assert ok.store_timeout_s == 1.0
+
+
+@pytest.mark.parametrize("tz", ["Nowhere/City", "", 5, "../../etc/passwd"])
+def test_an_unknown_celery_timezone_names_the_setting(tz: Any) -> None:
+    app = Celery("shop", set_as_current=False)
+    app.conf.update(crawl_lease_url="redis://127.0.0.1:6379/0", timezone=tz)
+    with pytest.raises(ConfigError, match="timezone"):
+        CrawlConfig.from_app(app)
+
+
+def test_a_known_celery_timezone_is_accepted() -> None:
+    app = Celery("shop", set_as_current=False)
+    app.conf.update(crawl_lease_url="redis://127.0.0.1:6379/0", timezone="Asia/Shanghai")
+    assert CrawlConfig.from_app(app).namespace == "shop"
 
 
 def test_unknown_crawl_setting_is_named() -> None:
