@@ -423,7 +423,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         kwargs = dict(kwargs or {})
         backend = self._audited_backend()
         if token is None:
-            token = parse_token(backend.client.hget(backend.fence_key(task_id), "token"))
+            with backend.translate_errors("reading a fence record"):
+                stored = backend.client.hget(backend.fence_key(task_id), "token")
+            token = parse_token(stored)
         else:
             token = parse_token(token)
         tok = "" if token is None else str(token)

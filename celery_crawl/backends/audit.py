@@ -19,7 +19,7 @@ from typing import IO, Any
 from celery import states
 from kombu.utils.encoding import bytes_to_str
 
-from ..errors import SerializationRefused, StoreUnavailable
+from ..errors import SerializationRefused
 from .audited import AuditedRedisBackend
 
 __all__ = ["AuditRecord", "VerifyReport", "export", "history", "iter_records", "verify"]
@@ -93,20 +93,19 @@ def iter_records(backend: AuditedRedisBackend, *, since: datetime | None = None,
     """Every record from ``since`` (store time, inclusive) on, oldest first.
 
     Raises:
-        StoreUnavailable: Redis cannot be reached.
+        StoreError: Redis cannot be reached or refused us (``StoreUnavailable``,
+            ``StoreTimeout``; the message names the masked URL), or another Redis error.
     """
     client = backend.client
     start = "-" if since is None else f"{_epoch_ms(since)}-0"
-    try:
-        while True:
+    while True:
+        with backend.translate_errors(f"reading the audit stream {backend.audit_key!r}"):
             batch = client.xrange(backend.audit_key, min=start, max="+", count=page)
-            for entry_id, fields in batch:
-                yield _record(entry_id, fields)
-            if len(batch) < page:
-                return
-            start = "(" + bytes_to_str(batch[-1][0])
-    except backend.connection_errors as exc:
-        raise StoreUnavailable(f"audit stream {backend.audit_key!r}: {exc}") from exc
+        for entry_id, fields in batch:
+            yield _record(entry_id, fields)
+        if len(batch) < page:
+            return
+        start = "(" + bytes_to_str(batch[-1][0])
 
 
 def history(backend: AuditedRedisBackend, task_id: str) -> list[AuditRecord]:
@@ -124,7 +123,11 @@ def export(backend: AuditedRedisBackend, out: IO[str], *, since: datetime | None
 
 
 def verify(backend: AuditedRedisBackend, *, now: datetime | None = None) -> VerifyReport:
-    """Compare every task's last written record with its stored result."""
+    """Compare every task's last written record with its stored result.
+
+    Raises:
+        StoreError: as ``iter_records``.
+    """
     report = VerifyReport()
     last: dict[str, AuditRecord] = {}
     for record in iter_records(backend):
@@ -136,10 +139,8 @@ def verify(backend: AuditedRedisBackend, *, now: datetime | None = None) -> Veri
     tasks = list(last)
     for i in range(0, len(tasks), _MGET_BATCH):
         chunk = tasks[i:i + _MGET_BATCH]
-        try:
+        with backend.translate_errors("reading results"):
             values = backend.client.mget([backend.get_key_for_task(t) for t in chunk])
-        except backend.connection_errors as exc:
-            raise StoreUnavailable(f"result backend: {exc}") from exc
         for task_id, value in zip(chunk, values, strict=True):
             _judge(backend, report, last[task_id], value, now)
     return report

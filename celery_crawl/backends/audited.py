@@ -22,13 +22,27 @@ gets the first answer and adds no second record. The claim token is ``request.cr
 Results are JSON only, so that the stored value can be digested and inspected by
 ``celery crawl audit``: another ``result_serializer`` or ``result_compression`` is a
 ``ConfigError``, and a stored payload that is not JSON is refused with ``SerializationRefused``.
+
+redis-py errors are translated at this backend's boundary (``ensure``, ``get``/``mget``/...,
+``translate_errors``) into the ``StoreError`` tree, each naming the backend URL with the password
+masked. A refusal that retrying cannot cure (credentials refused: ``AuthenticationError``,
+``NOAUTH``, ``WRONGPASS``, a wrong number of ``AUTH`` arguments; a TLS certificate that is not
+trusted or a client certificate the server refuses) is never retried: it is a
+``StoreUnavailable`` at once. A ``NOPERM`` reply (the ACL user lacks a right) is a ``StoreError``,
+also not retried. A connection that is refused, dropped or times out is retried per Celery's
+``retry_policy`` and, when that gives up, is a ``StoreUnavailable`` (``StoreTimeout`` for a
+timeout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import socket
+import ssl
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from importlib import resources
 from typing import Any
@@ -38,9 +52,17 @@ from celery import states
 from celery.backends.redis import RedisBackend
 from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
+from redis import exceptions as redis_errors
 
 from ..config import CrawlConfig, mask_url
-from ..errors import ConfigError, SerializationRefused
+from ..errors import (
+    ConfigError,
+    SerializationRefused,
+    StoreDataError,
+    StoreError,
+    StoreTimeout,
+    StoreUnavailable,
+)
 
 __all__ = [
     "MAX_TOKEN",
@@ -48,6 +70,7 @@ __all__ = [
     "AuditedRedisBackend",
     "audit_stream_key",
     "parse_token",
+    "refusal_reason",
     "result_digest",
 ]
 
@@ -121,6 +144,60 @@ def _claim_token(request: Any) -> int | None:
     if token is None:
         logger.warning("ignoring malformed crawl_claim_token %.40r", raw)
     return token
+
+
+_AUTH_ERRORS = (redis_errors.AuthenticationError,
+                redis_errors.AuthenticationWrongNumberOfArgsError)
+_AUTH_REPLIES = ("NOAUTH", "WRONGPASS")
+#: Text of a TLS alert by which the server refused our client certificate.
+_TLS_ALERTS = ("alert bad certificate", "alert certificate required", "alert unknown ca",
+               "alert certificate unknown", "alert certificate expired",
+               "alert certificate revoked", "alert access denied")
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and, for a redis-py error, the error it wraps (redis-py reports TLS failures as
+    the context). Only one level: further down is whatever the caller was handling (a task's
+    own exception), which says nothing about the connection."""
+    yield exc
+    if isinstance(exc, redis_errors.RedisError):
+        inner = exc.__cause__ or exc.__context__
+        if inner is not None:
+            yield inner
+
+
+def refusal_reason(exc: BaseException) -> str | None:
+    """Why ``exc`` is a refusal that retrying cannot cure, or None when it may be transient.
+
+    Returns:
+        ``credentials refused``, ``permission denied``, ``TLS certificate not trusted``,
+        ``TLS client certificate refused`` or ``TLS files unreadable``.
+    """
+    for err in _chain(exc):
+        if isinstance(err, _AUTH_ERRORS):
+            return "credentials refused"
+        if isinstance(err, redis_errors.NoPermissionError):
+            return "permission denied"
+        if isinstance(err, redis_errors.ResponseError):
+            text = str(err)
+            if text.startswith(_AUTH_REPLIES):
+                return "credentials refused"
+            if text.startswith("NOPERM"):
+                return "permission denied"
+        if isinstance(err, ssl.SSLCertVerificationError):
+            return "TLS certificate not trusted"
+        if isinstance(err, ssl.SSLError):
+            text = str(err).lower()
+            if "certificate_verify_failed" in text:
+                return "TLS certificate not trusted"
+            if any(alert in text for alert in _TLS_ALERTS):
+                return "TLS client certificate refused"
+        if isinstance(err, FileNotFoundError | IsADirectoryError):
+            return "TLS files unreadable"
+        if isinstance(err, redis_errors.ConnectionError) and (
+                "CERTIFICATE_VERIFY_FAILED" in str(err)):
+            return "TLS certificate not trusted"
+    return None
 
 
 def _server_identity(host: object, port: object, db: object) -> tuple[str, int, int]:
@@ -200,6 +277,97 @@ class AuditedRedisBackend(RedisBackend):
         except ValueError as exc:
             raise ConfigError(f"crawl_lease_url: cannot parse {mask_url(url)!r}: {exc}") from exc
         return lease == _server_identity(params.get("host"), params.get("port"), params.get("db"))
+
+    # -- errors ---------------------------------------------------------------------------------
+    @property
+    def safe_url(self) -> str:
+        """The backend's URL with the password masked, as errors name it."""
+        if self.url:
+            return mask_url(str(self.url))
+        params = self.connparams
+        if "path" in params:
+            return f"unix://{params['path']}"
+        return f"redis://{params.get('host')}:{params.get('port')}/{params.get('db') or 0}"
+
+    def store_error(self, exc: BaseException, what: str = "") -> StoreError:
+        """The ``StoreError`` for a redis-py (or socket) error ``exc``, naming the masked URL."""
+        where = f"result backend {self.safe_url}" + (f": {what}" if what else "")
+        reason = refusal_reason(exc)
+        if reason == "permission denied":
+            return StoreError(f"{where}: {reason}: {exc}")
+        if reason is not None:
+            detail = str(exc)
+            inner = [str(e) for e in _chain(exc)][1:]
+            if inner and inner[0] not in detail:  # redis-py's text drops the TLS reason
+                detail = f"{detail} ({inner[0]})"
+            return StoreUnavailable(f"{where}: {reason} (not retried): {detail}")
+        if isinstance(exc, redis_errors.TimeoutError | socket.timeout):
+            return StoreTimeout(f"{where}: no answer in time: {exc}")
+        if isinstance(exc, redis_errors.ConnectionError | OSError):
+            return StoreUnavailable(f"{where}: {exc}")
+        if isinstance(exc, redis_errors.ResponseError) and str(exc).startswith("WRONGTYPE"):
+            return StoreDataError(f"{where}: a key holds data celery-crawl did not write: {exc}")
+        return StoreError(f"{where}: {exc}")
+
+    @contextlib.contextmanager
+    def translate_errors(self, what: str = "") -> Iterator[None]:
+        """Raise every redis-py (or socket) error inside as a ``StoreError`` (``store_error``)."""
+        try:
+            yield
+        except (redis_errors.RedisError, OSError) as exc:
+            raise self.store_error(exc, what) from exc
+
+    def ensure(self, fun: Callable[..., Any], args: Any, **policy: Any) -> Any:
+        """Celery's ``ensure`` (retries per ``retry_policy``), except that a refusal is not retried.
+
+        Raises:
+            StoreUnavailable: credentials or TLS refused (at once, see ``refusal_reason``), or
+                the server stayed unreachable through the retries.
+            StoreTimeout: the server stayed silent through the retries.
+            StoreError: any other Redis error (``NOPERM``: the ACL user lacks a right).
+        """
+        def attempt(*call_args: Any) -> Any:
+            try:
+                return fun(*call_args)
+            except (redis_errors.RedisError, OSError) as exc:
+                if refusal_reason(exc) is not None:
+                    raise self.store_error(exc) from exc
+                raise
+
+        with self.translate_errors():
+            return super().ensure(attempt, args, **policy)
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        """For ``result_backend_always_retry``: transient connection failures only."""
+        if isinstance(exc, StoreUnavailable | StoreTimeout):
+            cause = exc.__cause__
+            return cause is not None and refusal_reason(cause) is None
+        return bool(super().exception_safe_to_retry(exc)) and refusal_reason(exc) is None
+
+    def get(self, key: Any) -> Any:
+        """``GET``, errors translated."""
+        with self.translate_errors("GET"):
+            return self.client.get(key)
+
+    def mget(self, keys: Any) -> Any:
+        """``MGET``, errors translated."""
+        with self.translate_errors("MGET"):
+            return self.client.mget(keys)
+
+    def delete(self, key: Any) -> None:
+        """``DEL``, errors translated."""
+        with self.translate_errors("DEL"):
+            self.client.delete(key)
+
+    def incr(self, key: Any) -> Any:
+        """``INCR``, errors translated."""
+        with self.translate_errors("INCR"):
+            return self.client.incr(key)
+
+    def expire(self, key: Any, value: Any) -> Any:
+        """``EXPIRE``, errors translated."""
+        with self.translate_errors("EXPIRE"):
+            return self.client.expire(key, value)
 
     # -- keys -----------------------------------------------------------------------------------
     def fence_key(self, task_id: str) -> str:
@@ -317,6 +485,9 @@ class AuditedRedisBackend(RedisBackend):
         Returns:
             The audited outcome: ``written``, ``refused-stale``, ``refused-regression`` or
             ``refused-unissued``.
+
+        Raises:
+            StoreError: see ``ensure``.
         """
         keys = [bytes_to_str(self.get_key_for_task(task_id)), self.fence_key(task_id),
                 self.audit_key, self.token_counter_key]
@@ -332,7 +503,7 @@ class AuditedRedisBackend(RedisBackend):
 
     def _forget(self, task_id: str) -> None:
         # Forgetting is recorded, so that `audit verify` expects the result to be gone.
-        with self.client.pipeline(transaction=True) as pipe:
+        with self.translate_errors("forget"), self.client.pipeline(transaction=True) as pipe:
             pipe.delete(self.get_key_for_task(task_id), self.fence_key(task_id))
             pipe.xadd(self.audit_key, {
                 "task": task_id, "state": _FORGOTTEN, "token": "", "worker": "", "digest": "",

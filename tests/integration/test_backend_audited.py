@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from celery_crawl.backends import AuditedRedisBackend
 from celery_crawl.backends.audit import history, iter_records, verify
-from celery_crawl.errors import ConfigError, SerializationRefused
+from celery_crawl.errors import ConfigError, SerializationRefused, StoreUnavailable
 from tests.servers import RedisServer, free_port, wait_until
 
 
@@ -225,15 +226,49 @@ def test_crawlrediss_speaks_tls(tmp_path: Path) -> None:
         finally:
             b.client.connection_pool.release(conn)
         assert server.client().exists(b.get_key_for_task(tid))  # the plain port sees the data
-        untrusted = make_app(f"crawlrediss://127.0.0.1:{tls_port}/0?ssl_cert_reqs=required"
-                             f"&ssl_ca_certs={pki.rogue_ca}",
-                             redis_backend_health_check_interval=0,
-                             result_backend_transport_options={"retry_policy": {
-                                 "max_retries": 0}})
-        with pytest.raises(Exception, match=r"(?i)certificate|ssl"):
-            untrusted.backend.client.ping()
+        # An untrusted server certificate is not retried, even under Celery's default retry
+        # policy (20 retries a second apart): a StoreUnavailable naming the masked URL, at once.
+        secret = f"pw-{uuid.uuid4().hex}"
+        untrusted = make_app(f"crawlrediss://crawler:{secret}@127.0.0.1:{tls_port}/0"
+                             f"?ssl_cert_reqs=required&ssl_ca_certs={pki.rogue_ca}")
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable) as info:
+            untrusted.backend.store_result(str(uuid.uuid4()), "x", states.SUCCESS,
+                                           request=req(None))
+        assert time.monotonic() - t0 < 5.0
+        text = str(info.value)
+        assert f"crawlrediss://crawler:***@127.0.0.1:{tls_port}/0" in text, text
+        assert "TLS certificate not trusted (not retried)" in text, text
+        assert "certificate verify failed" in text.lower(), text
+        assert secret not in text and secret not in repr(info.value)
     finally:
         server.cleanup()
+
+
+def test_connection_refused_is_retried_per_policy_then_a_masked_store_unavailable() -> None:
+    port = free_port()  # nothing listens here
+    secret = f"pw-{uuid.uuid4().hex}"
+    app = make_app(f"crawlredis://crawler:{secret}@127.0.0.1:{port}/0",
+                   crawl_lease_url=f"redis://127.0.0.1:{port}/0",
+                   result_backend_transport_options={"retry_policy": {
+                       "max_retries": 3, "interval_start": 0.2, "interval_step": 0,
+                       "interval_max": 0.2}})
+    b = app.backend
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable) as info:
+        b.store_result(str(uuid.uuid4()), "x", states.SUCCESS, request=req(None))
+    elapsed = time.monotonic() - t0
+    assert 0.5 <= elapsed < 5.0, f"3 retries 0.2 s apart took {elapsed:.2f}s"  # it was retried
+    text = str(info.value)
+    assert f"crawlredis://crawler:***@127.0.0.1:{port}/0" in text, text
+    assert "Connection refused" in text and "not retried" not in text, text
+    assert secret not in text
+    # Still transient for result_backend_always_retry; reads fail the same clear way.
+    assert b.exception_safe_to_retry(info.value)
+    with pytest.raises(StoreUnavailable, match=r"crawler:\*\*\*@"):
+        b.get_task_meta(str(uuid.uuid4()), cache=False)
+    with pytest.raises(StoreUnavailable, match=r"crawler:\*\*\*@"):
+        list(iter_records(b))
 
 
 # -- precedence and fencing against a model ----------------------------------------------------

@@ -7,9 +7,14 @@ certificates required, one plain-TCP; both with the ``default`` user switched of
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -25,7 +30,9 @@ TIMEOUT_S = 1.0
 SILENT_TIMEOUT_S = 0.5
 #: A refusal may cost a connect and a handshake, each bounded by the timeout; 3x headroom.
 BOUND_S = 6 * TIMEOUT_S
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "security.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "security.md"
+CELERY = str(Path(sys.executable).with_name("celery"))
 REFUSED = (StoreUnavailable, StoreTimeout)
 
 
@@ -262,37 +269,115 @@ def test_user_confined_to_another_namespace_gets_a_clear_error(acl_redis: AclRed
     assert "permission" in str(exc).lower()
 
 
-# -- the audited result backend over TLS -------------------------------------------------------
-@pytest.mark.parametrize("case", ["works", "wrong-password"])
-def test_audited_backend_over_tls_masks_its_password(tls_redis: SecureRedis,
-                                                     tls_user: tuple[str, str], case: str,
-                                                     all_logs: pytest.LogCaptureFixture) -> None:
-    from celery import Celery, states
+# -- the audited result backend ----------------------------------------------------------------
+#: A refusal the backend must not retry: well under Celery's default retry policy (20 retries,
+#: a second apart), with the default policy in force.
+BACKEND_BOUND_S = 5.0
+
+
+def _backend_app(url: str, lease_url: str, *, always_retry: bool = False) -> Any:
+    from celery import Celery
+
+    app = Celery("sec-backend", broker="memory://", backend=url, set_as_current=False)
+    # No retry_policy: Celery's default, under which a retried refusal would take ~20 s.
+    app.conf.update(crawl_namespace=f"b{uuid.uuid4().hex[:6]}", crawl_lease_url=lease_url,
+                    redis_socket_timeout=2, redis_socket_connect_timeout=2,
+                    result_backend_always_retry=always_retry)
+    return app
+
+
+def _store(app: Any, task_id: str | None = None) -> None:
+    from celery import states
     from celery.app.task import Context
 
-    user, password = tls_user
-    used = password if case == "works" else _fresh_secret()
-    url = tls_redis.url(user, used, **tls_redis.tls_query()).replace("rediss://",
-                                                                     "crawlrediss://", 1)
-    app = Celery("sec-tls-backend", broker="memory://", backend=url, set_as_current=False)
-    app.conf.update(crawl_namespace=f"tlsb{uuid.uuid4().hex[:6]}",
-                    crawl_lease_url=tls_redis.url(user, password, **tls_redis.tls_query()),
-                    redis_socket_timeout=2, redis_socket_connect_timeout=2,
-                    result_backend_always_retry=False,
-                    # Celery retries a refused password 20 times, a second apart, by default.
-                    result_backend_transport_options={"retry_policy": {
-                        "max_retries": 1, "interval_start": 0, "interval_step": 0.1,
-                        "interval_max": 0.1}})
-    backend = app.backend
-    assert_no_secret(f"{backend.as_uri()} {backend!r}", [password, used], "the backend's uri")
-    task_id = str(uuid.uuid4())
-    if case == "works":
-        backend.store_result(task_id, {"ok": 1}, states.SUCCESS,
+    app.backend.store_result(task_id or str(uuid.uuid4()), {"ok": 1}, states.SUCCESS,
                              request=Context(crawl_claim_token=None, hostname="w"))
-        assert backend.get_task_meta(task_id, cache=False)["result"] == {"ok": 1}
+
+
+def _assert_backend_refusal(attempt: Any, url: str, secrets: list[str], user: str | None,
+                            reason: str) -> StoreUnavailable:
+    exc = assert_refused(attempt, url, secrets=secrets, expect=StoreUnavailable,
+                         bound_s=BACKEND_BOUND_S)
+    assert isinstance(exc, StoreUnavailable)
+    text = str(exc)
+    assert text.startswith("result backend crawlredis"), text
+    if user is not None:
+        assert f"{user}:***@127.0.0.1:" in text, text
+    assert reason in text and "not retried" in text, text
+    return exc
+
+
+@pytest.mark.parametrize("case", ["works", "wrong-password", "no-credentials", "untrusted-server",
+                                  "no-client-cert"])
+def test_audited_backend_over_tls_refusals_are_clear_fast_and_masked(
+        tls_redis: SecureRedis, tls_user: tuple[str, str], case: str,
+        all_logs: pytest.LogCaptureFixture) -> None:
+    user, password = tls_user
+    pki = tls_redis.pki
+    assert pki is not None
+    wrong = _fresh_secret()
+    cred: tuple[str | None, str | None] = {
+        "wrong-password": (user, wrong), "no-credentials": (None, None)}.get(case, tls_user)
+    query = {"untrusted-server": tls_redis.tls_query(ca=pki.rogue_ca),
+             "no-client-cert": tls_redis.tls_query(client_cert=False)}.get(
+        case, tls_redis.tls_query())
+    url = tls_redis.url(*cred, **query).replace("rediss://", "crawlrediss://", 1)
+    app = _backend_app(url, tls_redis.url(user, password, **tls_redis.tls_query()))
+    backend = app.backend
+    assert_no_secret(f"{backend.as_uri()} {backend!r} {backend.safe_url}", [password, wrong],
+                     "the backend's uri")
+    if case == "works":
+        task_id = str(uuid.uuid4())
+        _store(app, task_id)
+        assert app.AsyncResult(task_id).get(timeout=10) == {"ok": 1}
     else:
-        with pytest.raises(Exception) as info:
-            backend.store_result(task_id, {"ok": 1}, states.SUCCESS,
-                                 request=Context(crawl_claim_token=None, hostname="w"))
-        assert_no_secret(exception_text(info.value), [password, used], "the backend's error")
-    assert_no_secret(all_logs.text, [password, used], "the logs")
+        reason = {"wrong-password": "credentials refused", "no-credentials": "credentials refused",
+                  "untrusted-server": "TLS certificate not trusted",
+                  "no-client-cert": "TLS client certificate refused"}[case]
+        _assert_backend_refusal(lambda: _store(app), url, [password, wrong], cred[0], reason)
+        # Reading is refused the same way, e.g. AsyncResult.get() subscribing for a result.
+        _assert_backend_refusal(lambda: app.AsyncResult(str(uuid.uuid4())).get(timeout=5), url,
+                                [password, wrong], cred[0], reason)
+    assert_no_secret(all_logs.text, [password, wrong], "the logs")
+
+
+@pytest.mark.parametrize("always_retry", [False, True], ids=["default", "always-retry"])
+@pytest.mark.parametrize("case", ["wrong-password", "no-credentials", "disabled-user"])
+def test_audited_backend_acl_refusals_are_not_retried(acl_redis: AclRedis, case: str,
+                                                      always_retry: bool,
+                                                      all_logs: pytest.LogCaptureFixture) -> None:
+    """Neither ``ensure()``'s retry policy nor ``result_backend_always_retry`` retries a refused
+    password: it is a StoreUnavailable naming the masked URL, at once."""
+    good = acl_redis.add_user("backend", ["~*", "&*", "+@all"])
+    asleep = acl_redis.add_user("sleeper", ["~*", "&*", "+@all"])
+    acl_redis.admin().execute_command("ACL", "SETUSER", "sleeper", "off")
+    wrong = _fresh_secret()
+    cred: tuple[str | None, str | None] = {
+        "wrong-password": ("backend", wrong), "no-credentials": (None, None),
+        "disabled-user": ("sleeper", asleep)}[case]
+    url = acl_redis.url(*cred).replace("redis://", "crawlredis://", 1)
+    app = _backend_app(url, acl_redis.url("backend", good), always_retry=always_retry)
+    _assert_backend_refusal(lambda: _store(app), url, [good, wrong, asleep], cred[0],
+                            "credentials refused")
+    assert_no_secret(all_logs.text, [good, wrong, asleep], "the logs")
+
+
+def test_audit_cli_names_the_masked_url_on_a_refused_password(acl_redis: AclRedis) -> None:
+    good = acl_redis.add_user("auditor", ["~*", "&*", "+@all"])
+    wrong = _fresh_secret()
+    backend_url = acl_redis.url("auditor", wrong).replace("redis://", "crawlredis://", 1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CRAWL_SEC_BACKEND": backend_url,
+           "CRAWL_SEC_LEASE": acl_redis.url("auditor", good),
+           "CRAWL_SEC_BROKER": acl_redis.url("auditor", good, db=1)}
+    t0 = time.monotonic()
+    done = subprocess.run([CELERY, "-A", "tests.security.cliapp", "crawl", "audit", "verify"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "Traceback" not in output, output
+    assert f"auditor:***@127.0.0.1:{acl_redis.port}" in output, output
+    assert "credentials refused" in output, output
+    assert_no_secret(output, [good, wrong], "the audit CLI's output")
+    # Process start-up included; a retried refusal would take ~20 s.
+    assert elapsed < 20, f"audit verify took {elapsed:.1f}s to report a refused password"
