@@ -490,11 +490,11 @@ class AuditedRedisBackend(RedisBackend):
             StoreError: see ``ensure``.
         """
         keys = [bytes_to_str(self.get_key_for_task(task_id)), self.fence_key(task_id),
-                self.audit_key, self.token_counter_key]
+                self.audit_key]
         args = [value, state, "1" if state in states.READY_STATES else "0",
                 "" if token is None else str(token), digest, expires_s,
                 self.crawl_config.audit_maxlen, worker, rollback,
-                "1" if self.checks_token_issuance else "0", task_id]
+                "1" if self.checks_token_issuance else "0", task_id, self.token_counter_key]
         reply = self.ensure(self._run_store, (keys, args))
         return str(bytes_to_str(reply[0]))
 

@@ -1,12 +1,15 @@
 -- One state write of the audited result backend: precedence, fencing, SET with expiry, PUBLISH
 -- and the audit XADD, in one round trip.
 --
--- KEYS: 1 result key, 2 fence record (hash), 3 audit stream, 4 lease store's token counter
+-- KEYS: 1 result key, 2 fence record (hash), 3 audit stream
 -- ARGV: 1 encoded meta, 2 state, 3 ready ('1' | '0'), 4 claim token ('' = none), 5 digest,
 --       6 expiry seconds (0 = none), 7 stream MAXLEN (approximate), 8 worker, 9 rollback outcome,
---       10 check token issuance ('1' | '0'), 11 task id
+--       10 check token issuance ('1' | '0'), 11 task id, 12 lease store's token counter key
+-- The counter is an argument, not a declared key: Redis's ACL treats every declared key of a
+-- script as read-write, while the GET below needs only read access, so the backend's user can
+-- be kept from writing (forging) the counter (%R~ in docs/security.md).
 -- Returns {outcome, replayed (1 when this exact attempt was answered before)}.
-local rkey, fkey, skey, ckey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local rkey, fkey, skey, ckey = KEYS[1], KEYS[2], KEYS[3], ARGV[12]
 local value, state, ready, token, digest = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local expires, maxlen = tonumber(ARGV[6]), ARGV[7]
 local worker, rollback, check, task = ARGV[8], ARGV[9], ARGV[10], ARGV[11]

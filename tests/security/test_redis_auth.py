@@ -8,7 +8,6 @@ certificates required, one plain-TCP; both with the ``default`` user switched of
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from celery_crawl.errors import CrawlError, StoreError, StoreTimeout, StoreUnavailable
 from celery_crawl.leases import open_store
+from tests.security import recipes
 from tests.security.exercise import exercise_store
 from tests.security.leaks import assert_no_secret, assert_refused, exception_text
 from tests.security.tlsservers import AclRedis, SecureRedis
@@ -31,7 +31,6 @@ SILENT_TIMEOUT_S = 0.5
 #: A refusal may cost a connect and a handshake, each bounded by the timeout; 3x headroom.
 BOUND_S = 6 * TIMEOUT_S
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ROOT / "docs" / "security.md"
 CELERY = str(Path(sys.executable).with_name("celery"))
 REFUSED = (StoreUnavailable, StoreTimeout)
 
@@ -54,14 +53,8 @@ def _fresh_secret() -> str:
 
 
 def documented_acl_rules(namespace: str) -> list[str]:
-    """The ACL rules of the recipe in docs/security.md, for ``namespace``."""
-    text = DOCS.read_text(encoding="utf-8")
-    block = re.search(r"<!-- redis-acl-begin -->\s*```\s*\n(.*?)\n```", text, re.S)
-    assert block, "docs/security.md lost its redis-acl block"
-    words = block.group(1).split()
-    assert words[:3] == ["ACL", "SETUSER", "crawler"], words[:3]
-    rules = [w for w in words[3:] if not w.startswith(">") and w not in ("reset", "on")]
-    return [w.replace("crawl:", f"{namespace}:") for w in rules]
+    """The ACL rules of the lease store's recipe in docs/security.md, for ``namespace``."""
+    return recipes.documented_acl_rules("redis-acl", "crawler", namespace)
 
 
 # -- TLS ---------------------------------------------------------------------------------------
