@@ -72,7 +72,12 @@ def total(values: list[int]) -> int:
 
 
 class Recorded(IdempotentTask):  # type: ignore[misc]
-    """Records every rollback as ``rollbacks:<name>`` in db 2."""
+    """Records every rollback as ``rollbacks:<name>`` in db 2.
+
+    Every attempt is recorded in ``rollback-start:<name>`` (task id) and ``rollback-at:<name>``
+    (``time.monotonic()``, system-wide on Linux). Hooks set by a test: ``rollback-hang:<name>``
+    hangs the first attempt, ``rollback-fails:<name>`` = N fails the first N attempts.
+    """
 
     idempotency_heartbeat_ttl_s = 3.0
     rollback_backoff_s = 0.05
@@ -81,6 +86,7 @@ class Recorded(IdempotentTask):  # type: ignore[misc]
         name = args[0]
         r = side()
         r.rpush(f"rollback-start:{name}", task_id)
+        r.rpush(f"rollback-at:{name}", repr(time.monotonic()))
         if r.get(f"rollback-hang:{name}") and r.incr(f"rollback-hung:{name}") == 1:
             time.sleep(60)  # the test kills the worker here
         if r.incr(f"rollback-fail:{name}") <= int(r.get(f"rollback-fails:{name}") or 0):

@@ -6,6 +6,7 @@ import signal
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from celery import chain, chord, group
 from celery.app.task import Context
 
 from celery_crawl.backends.audit import history, verify
-from celery_crawl.tasks import ROLLED_BACK, deadline_headers
+from celery_crawl.tasks import ROLLBACK_FAILED, ROLLED_BACK, deadline_headers
 from tests.procs import Proc, worker_args
 from tests.servers import RedisServer, wait_until
 from tests.system import tasksapp
@@ -80,6 +81,48 @@ def test_rollback_runs_once_after_the_final_failure_not_on_retries(stack) -> Non
         again.get(timeout=TIMEOUT_S)
     assert len(_list(server, f"runs:{name}")) == 3
     assert _list(server, f"rollbacks:{name}") == [result.id]
+
+
+def test_a_rollback_that_keeps_failing_is_retried_with_backoff_then_recorded_failed(
+        stack) -> None:
+    """Every rollback attempt fails: it is tried ``rollback_max_attempts`` times in process, the
+    waits doubling from ``rollback_backoff_s``; then ROLLBACK_FAILED is stored in the result
+    meta and the audit record, and a replay of the key neither runs nor rolls back again."""
+    server, worker = stack
+    name = _name()
+    _side(server).set(f"rollback-fails:{name}", 1000)
+    result = tasksapp.flaky.apply_async((name, 0), idempotency_key=f"flaky:{name}")
+    with pytest.raises(ValueError, match="failed for good"):
+        result.get(timeout=TIMEOUT_S)
+    task = tasksapp.flaky
+    attempts = task.rollback_max_attempts
+    assert attempts > 2
+    assert _list(server, f"rollback-start:{name}") == [result.id] * attempts
+    assert _list(server, f"rollbacks:{name}") == []  # never completed
+    at = [float(t) for t in _list(server, f"rollback-at:{name}")]
+    waits = [b - a for a, b in pairwise(at)]
+    backoff = [min(task.rollback_backoff_s * 2**i, task.rollback_backoff_max_s)
+               for i in range(attempts - 1)]
+    # Sleeps are never shorter than asked; a fixed or missing backoff would fail the later ones.
+    assert all(w >= b - 0.005 for w, b in zip(waits, backoff, strict=True)), (waits, backoff)
+    assert sum(waits) >= sum(backoff) - 0.01
+    wait_until(lambda: f"rollback attempt {attempts} failed" in worker.log(), TIMEOUT_S,
+               what="the last attempt's log line")
+
+    backend = tasksapp.app.backend
+    meta = backend.get_task_meta(result.id, cache=False)
+    assert (meta["status"], meta["crawl_rollback"]) == ("FAILURE", ROLLBACK_FAILED)
+    last = history(backend, result.id)[-1]
+    assert (last.state, last.outcome, last.rollback) == ("FAILURE", "written", ROLLBACK_FAILED)
+    record = server.client().hgetall(backend.idempotency_key("tasksapp", f"flaky:{name}"))
+    assert record[b"fin"] == b"failed"
+
+    again = tasksapp.flaky.apply_async((name, 0), idempotency_key=f"flaky:{name}")
+    with pytest.raises(ValueError, match="failed for good"):
+        again.get(timeout=TIMEOUT_S)
+    assert backend.get_task_meta(again.id, cache=False)["crawl_rollback"] == ROLLBACK_FAILED
+    assert _list(server, f"runs:{name}") == [result.id]
+    assert len(_list(server, f"rollback-start:{name}")) == attempts
 
 
 def test_duplicate_deliveries_run_and_roll_back_once(stack) -> None:
