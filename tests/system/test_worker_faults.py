@@ -1,8 +1,10 @@
 """Faults beyond kill -9: a frozen worker, a long task vs the visibility timeout, prefetched tasks
-of a dead worker, the lease store unreachable for longer than the TTL, a poison message."""
+of a dead worker, the lease store (Redis or etcd) unreachable for longer than the TTL, a poison
+message."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import RedisServer, wait_until
+from tests.servers import EtcdServer, RedisServer, wait_until
 from tests.system.test_worker_recovery import BOUND_S, make_combo
 from tests.system.workerapp_harness import TTL_S, Combo, committed, runs, send, workers
 
@@ -125,26 +127,64 @@ def test_prefetched_tasks_of_a_dead_worker_are_recovered(
     broker.close()
 
 
+class StoreOutage:
+    """Makes one lease store unreachable and reachable again: a Redis store is killed and
+    restarted on its port (AOF keeps the data); etcd is frozen (SIGSTOP) and resumed (SIGCONT),
+    so its clients' requests hang until their timeout, as with a partitioned server."""
+
+    def __init__(self, request: pytest.FixtureRequest, store: str) -> None:
+        self.store = store
+        if store == "etcd":
+            self.etcd: EtcdServer = request.getfixturevalue("fresh_etcd")
+            self.url = self.etcd.url
+        else:
+            self.redis: RedisServer = request.getfixturevalue("fresh_redis_aof")
+            self.url = self.redis.url_db(0)
+
+    def begin(self) -> None:
+        if self.store == "etcd":
+            assert self.etcd.proc is not None
+            os.kill(self.etcd.proc.pid, signal.SIGSTOP)
+        else:
+            self.redis.stop()
+
+    def end(self) -> None:
+        if self.store == "etcd":
+            assert self.etcd.proc is not None
+            os.kill(self.etcd.proc.pid, signal.SIGCONT)
+        else:
+            self.redis.start()
+
+
+@pytest.mark.parametrize("store", ["redis", "etcd"])
 def test_store_unreachable_longer_than_ttl(
-    redis_srv: RedisServer, fresh_redis_aof: RedisServer, tmp_path: Path,
+    request: pytest.FixtureRequest, redis_srv: RedisServer, tmp_path: Path, store: str,
 ) -> None:
-    combo = Combo(broker=redis_srv.url_db(1), backend=redis_srv.url_db(2),
-                  lease=fresh_redis_aof.url_db(0), sink=redis_srv.url_db(3), pool="prefork")
+    outage = StoreOutage(request, store)
+    combo = Combo(broker=redis_srv.url_db(1), backend=redis_srv.url_db(2), lease=outage.url,
+                  sink=redis_srv.url_db(3), pool="prefork")
     key, later = f"{combo.ns}-a", f"{combo.ns}-b"
     with workers(combo, tmp_path) as ws:
         proc = ws.start("a")
         send(combo, key, 5.0)
         first = wait_until(lambda: runs(combo, key), 30, what="task started")[0]
-        fresh_redis_aof.stop()
+        outage.begin()
+        t_down = time.time()
         try:
             wait_until(lambda: "worker lease lost" in proc.log(), 3 * TTL_S + 10,
                        what="lease loss noticed")
+            # Lost because renewals failed against the unreachable store.
+            assert "renewing the worker lease failed" in proc.log()
             wait_until(lambda: "not consuming tasks" in proc.log(), 10, what="consumption stop")
             wait_until(lambda: "cancelled 1 running" in proc.log(), 10, what="task cancelled")
             send(combo, later, 0.2)
+            # The fault injected is an outage longer than the TTL (the loss is noticed as soon
+            # as the validity left at its start ran out, which can be much sooner).
+            time.sleep(max(0.0, t_down + 1.5 * TTL_S - time.time()))
+            assert not runs(combo, later)
         finally:
             t_back = time.time()
-            fresh_redis_aof.start()
+            outage.end()
         wait_until(lambda: "consuming again" in proc.log(), 3 * TTL_S + 10,
                    what="new lease after the outage")
         wait_until(lambda: runs(combo, later, "finished"), 30, what="the later task ran")
@@ -154,6 +194,9 @@ def test_store_unreachable_longer_than_ttl(
         assert len(runs(combo, later)) == 1
         # Failed closed: nothing started while no lease was held.
         assert runs(combo, later)[0]["t"] >= t_back and reruns[1]["t"] >= t_back
+        wait_until(lambda: runs(combo, key, "finished"), 30, what="the rerun finished")
+        assert [r["accepted"] for r in runs(combo, key, "finished")] == [True]
+        assert len(runs(combo, key)) == 2
 
 
 def test_store_unreachable_with_continue_keeps_running(
