@@ -53,7 +53,8 @@ WORKER_DUPLICATES_PARKED = Counter(
 WORKER_LEASE_LOSSES = Counter("crawl_worker_lease_losses_total", "Worker lease losses")
 WORKER_PREEMPTION_LATENCY = Histogram(
     "crawl_worker_preemption_latency_seconds",
-    "Time from a worker's lease expiry to its task being redelivered",
+    "Time from a dead worker's estimated death (its lease's last renewal) to its task "
+    "being handed to a pool elsewhere",
     buckets=(0.5, 1, 2, 5, 10, 15, 30, 60, 120),
 )
 
