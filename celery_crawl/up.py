@@ -9,7 +9,9 @@ It starts, each in its own process group so a stop reaches every child process:
   reading the shipped schedule files: ``beat_schedules/*.toml`` (real storefronts, at their
   nightly and half-hourly times) and ``beat_schedules/demo/*.toml`` (the demo site, every few
   seconds), or the files of ``--schedules DIR`` instead;
-* one worker (``celery -A workers.crawler worker``) consuming every queue those files name;
+* one worker (``celery -A workers.crawler worker``) consuming every queue those files name,
+  with ``CRAWL_ALLOWED_HOSTS=127.0.0.1,localhost``: a storefront entry that comes due is
+  published and its run is refused before any request, so nothing leaves this machine;
 * Flower, when installed, behind basic auth: the credentials reach it in ``FLOWER_BASIC_AUTH``,
   not on its command line (which every local user can read), and are printed.
 
@@ -53,14 +55,20 @@ _NAMESPACE = "crawler"
 DEMO_SITE_PORT = 8470
 #: The checkout's schedule files (an editable install or a source tree).
 _CHECKOUT_SCHEDULES = Path(__file__).resolve().parent.parent / "beat_schedules"
-#: Retry decisions the crawler logs, as counted in the summary.
+#: The only hosts the crawlers of ``up`` may fetch from (``CRAWL_ALLOWED_HOSTS``): the demo
+#: site and its proxy. The shipped storefront entries run too, and must end at the refusal.
+ALLOWED_HOSTS = ("127.0.0.1", "localhost")
+#: Retry decisions the crawler logs, as counted in the summary (first matching marker wins).
 _RETRY_MARKERS = (
+    ("is not in CRAWL_ALLOWED_HOSTS", "refused (host not allowed)"),
     ("give up ", "given up"),
     ("honouring Retry-After", "429/503 with Retry-After"),
     ("rotating to proxy", "403, next proxy"),
     ("exponential backoff", "exponential backoff"),
     (" limit, next chance in ", "politeness wait re-queued"),
 )
+#: Page outcomes (``pages.outcome`` in the sink) shown under another name in the summary.
+_OUTCOME_LABELS = {"failed:host-not-allowed": "refused (host not allowed)"}
 _COLORS = ("36", "33", "35", "32", "34", "31", "96", "93")
 
 
@@ -234,6 +242,7 @@ class Fleet:
             "CRAWL_FETCH_TIMEOUT": "10",
             "CRAWL_BACKOFF_BASE": "0.5",
             "CRAWL_BACKOFF_MAX": "5",
+            "CRAWL_ALLOWED_HOSTS": ",".join(ALLOWED_HOSTS),
         }
         if metrics_port is not None:
             env["CRAWL_METRICS_PORT"] = str(metrics_port)
@@ -472,6 +481,7 @@ class Fleet:
         say(f"workdir      {self.workdir}")
         say(f"redis        {self.redis_url}")
         say(f"demo site    {self.site_url}  (proxy http://127.0.0.1:{self.proxy_port})")
+        say(f"hosts        crawls limited to {', '.join(ALLOWED_HOSTS)} (CRAWL_ALLOWED_HOSTS)")
         per_file: dict[str, list[str]] = {}
         for name, spec in schedules.entries.items():
             per_file.setdefault(spec.source or "?", []).append(name)
@@ -562,7 +572,8 @@ class Fleet:
                 say(f"    {entry:<{width}} {published!s:>5} / {runs:>4} / {dups or 0:>3}")
             if not names:
                 say("    (none)")
-            pages = ", ".join(f"{k}: {v}" for k, v in sorted(sink["pages"].items())) or "none"
+            pages = ", ".join(f"{label}: {n}" for label, n in sorted(
+                (_OUTCOME_LABELS.get(k, k), n) for k, n in sink["pages"].items())) or "none"
             say(f"  pages: {pages}")
             say(f"  stale writes refused by the sink: {sink['refused_writes']}")
         retries = ", ".join(f"{label}: {n}" for label, n in self.out.retries.items()) or "none"

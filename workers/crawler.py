@@ -12,8 +12,10 @@ Every fetch waits for the domain's shared politeness token and slot, then fetche
 process's httpx client. Retry decisions, each logged with its reason: 429/503 honour
 ``Retry-After`` (capped), else exponential backoff with jitter; 403 moves to the next entry of
 ``CRAWL_PROXIES``; timeouts and connection errors back off; anything else is recorded as a failed
-page. A crawl has a deadline (absolute UTC, header ``crawl_deadline``): children inherit it as
-their deadline and ``expires``, and no retry is scheduled past it.
+page. A URL whose host ``CRAWL_ALLOWED_HOSTS`` does not allow (or a redirect to one) is refused
+before any request and recorded as ``failed:host-not-allowed``, never retried. A crawl has a
+deadline (absolute UTC, header ``crawl_deadline``): children inherit it as their deadline and
+``expires``, and no retry is scheduled past it.
 
 Scheduled runs carry ``crawl_entry``/``crawl_slot`` headers (from the leased beat); a second run
 of the same slot under another task id is recorded in the sink and skipped.
@@ -211,7 +213,8 @@ def _retry_or_give_up(task: Task, exc: FetchError, deadline: datetime, url: str,
     proxies = settings.proxies
     next_proxy = proxy_index
     if not exc.retryable:
-        logger.warning("give up %s: %s (not retryable)", url, exc.reason)
+        logger.warning("give up %s: %s (not retryable)", url,
+                       f"{exc.reason}: {exc.detail}" if exc.detail else exc.reason)
         return
     if retries >= settings.max_retries:
         logger.warning("give up %s: %s after %d retries", url, exc.reason, retries)
@@ -255,6 +258,8 @@ def _fetch(task: Task, url: str, deadline: datetime, proxy_index: int,
     if left <= 0:
         return FetchError(url, "deadline", "expired before the fetch", retryable=False)
     try:
+        # A refused host is refused before it waits for (or takes) a politeness token.
+        process_fetcher(settings).check_host(url)
         with res.politeness.slot(domain_of(url), budget_s=min(left, 10.0)) as slot:
             if slot.waited_s > 0.5:
                 logger.info("politeness: waited %.2fs for %s", slot.waited_s, slot.domain)

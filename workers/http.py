@@ -10,6 +10,10 @@ common server idle timeouts), and the pool is bounded so a slow site cannot take
 
 ``Fetcher.fetch`` classifies every outcome once: a ``Page`` for an accepted 2xx body, or a
 ``FetchError`` saying whether a retry can help and, for 429/503, the server's ``Retry-After``.
+
+``CRAWL_ALLOWED_HOSTS`` is enforced here, before any I/O: the target host of the request and of
+every redirect is checked (the host the client would connect to, not a proxy's), and redirects
+are followed one hop at a time so that a refused ``Location`` is never requested.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .settings import DIRECT, CrawlerSettings
 
 __all__ = [
     "ACCEPTED_CONTENT_TYPES",
+    "HOST_NOT_ALLOWED",
     "FetchError",
     "Fetcher",
     "Page",
@@ -41,6 +46,8 @@ __all__ = [
 #: Bodies of other types are not read at all (an image or archive is not a page).
 ACCEPTED_CONTENT_TYPES = frozenset({"text/html", "application/xhtml+xml", "text/plain"})
 _USER_AGENT = "celery-crawl-demo/0.1 (+https://github.com/celery-crawl)"
+#: ``FetchError.reason`` of a URL (or redirect) whose host ``CRAWL_ALLOWED_HOSTS`` refuses.
+HOST_NOT_ALLOWED = "host-not-allowed"
 
 
 class FetchError(CrawlError):
@@ -49,7 +56,10 @@ class FetchError(CrawlError):
     Attributes:
         url: the requested URL.
         reason: short machine-readable reason (``timeout``, ``network``, ``status-429``,
-            ``forbidden``, ``too-large``, ``content-type``, ``redirects``, ``status-404``, ...).
+            ``forbidden``, ``too-large``, ``content-type``, ``redirects``, ``status-404``,
+            ``host-not-allowed``, ...).
+        detail: the human-readable part (e.g. ``host www.example.com is not in
+            CRAWL_ALLOWED_HOSTS``), or "".
         retryable: whether trying again (later, or through another proxy) can help.
         status: the HTTP status when one was received.
         retry_after_s: the server's ``Retry-After`` in seconds, when it sent one.
@@ -59,6 +69,7 @@ class FetchError(CrawlError):
                  status: int | None = None, retry_after_s: float | None = None) -> None:
         self.url = url
         self.reason = reason
+        self.detail = detail
         self.retryable = retryable
         self.status = status
         self.retry_after_s = retry_after_s
@@ -133,8 +144,9 @@ class Fetcher:
                                           write=s.write_timeout_s, pool=s.pool_timeout_s),
                     limits=httpx.Limits(max_connections=20, max_keepalive_connections=5,
                                         keepalive_expiry=5.0),
-                    follow_redirects=True,
-                    max_redirects=s.max_redirects,
+                    # Followed by fetch(), one hop at a time, each checked against
+                    # CRAWL_ALLOWED_HOSTS before it is requested.
+                    follow_redirects=False,
                     headers={"User-Agent": _USER_AGENT},
                 )
                 self._clients[proxy] = client
@@ -158,18 +170,28 @@ class Fetcher:
         budget = s.fetch_timeout_s if budget_s is None else min(budget_s, s.fetch_timeout_s)
         if budget <= 0:
             raise FetchError(url, "deadline", "no time left", retryable=False)
-        timeout = httpx.Timeout(connect=min(s.connect_timeout_s, budget),
-                                read=min(s.read_timeout_s, budget),
-                                write=min(s.write_timeout_s, budget),
-                                pool=min(s.pool_timeout_s, budget))
         started = time.monotonic()
+        deadline = started + budget
+        client = self._client(proxy)
         try:
-            with self._client(proxy).stream("GET", url, timeout=timeout,
-                                            headers=headers) as response:
-                return self._accept(url, response, proxy, started, started + budget)
-        except httpx.TooManyRedirects as exc:
-            raise FetchError(url, "redirects", f"more than {s.max_redirects}",
-                             retryable=False) from exc
+            request = client.build_request("GET", url, headers=headers,
+                                           timeout=self._timeout(budget))
+            for hop in range(s.max_redirects + 1):
+                self._check_host(url, request.url, hop)
+                response = client.send(request, stream=True)
+                try:
+                    if response.next_request is None:
+                        return self._accept(url, response, proxy, started, deadline)
+                    request = response.next_request
+                finally:
+                    response.close()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise FetchError(url, "timeout", "redirects slower than the fetch budget",
+                                     retryable=True)
+                request.extensions = {**request.extensions,
+                                      "timeout": self._timeout(left).as_dict()}
+            raise FetchError(url, "redirects", f"more than {s.max_redirects}", retryable=False)
         except httpx.TimeoutException as exc:
             raise FetchError(url, "timeout", type(exc).__name__, retryable=True) from exc
         except httpx.TransportError as exc:
@@ -177,6 +199,37 @@ class Fetcher:
                              retryable=True) from exc
         except httpx.InvalidURL as exc:
             raise FetchError(url, "bad-url", str(exc), retryable=False) from exc
+
+    def check_host(self, url: str) -> None:
+        """Refuse ``url`` when ``CRAWL_ALLOWED_HOSTS`` does not allow its host (no I/O).
+
+        ``fetch`` does this itself; callers use it to refuse before waiting for anything else.
+
+        Raises:
+            FetchError: ``host-not-allowed`` (not retryable), or ``bad-url``.
+        """
+        try:
+            target = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            raise FetchError(url, "bad-url", str(exc), retryable=False) from exc
+        self._check_host(url, target, 0)
+
+    def _check_host(self, url: str, target: httpx.URL, hop: int) -> None:
+        # raw_host is what the client connects to: ASCII (xn--) names, IPv6 without brackets.
+        host = target.raw_host.decode("ascii", errors="replace")
+        if self.settings.host_allowed(host):
+            return
+        where = f"redirect {hop} to {target}: " if hop else ""
+        raise FetchError(url, HOST_NOT_ALLOWED,
+                         f"{where}host {host or '(none)'} is not in CRAWL_ALLOWED_HOSTS",
+                         retryable=False)
+
+    def _timeout(self, budget_s: float) -> httpx.Timeout:
+        s = self.settings
+        return httpx.Timeout(connect=min(s.connect_timeout_s, budget_s),
+                             read=min(s.read_timeout_s, budget_s),
+                             write=min(s.write_timeout_s, budget_s),
+                             pool=min(s.pool_timeout_s, budget_s))
 
     def _accept(self, url: str, response: httpx.Response, proxy: str, started: float,
                 deadline: float) -> Page:

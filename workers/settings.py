@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,13 +19,16 @@ from celery_crawl.config import mask_url
 from celery_crawl.durations import parse_duration
 from celery_crawl.errors import ConfigError
 
-__all__ = ["DIRECT", "CrawlerSettings"]
+__all__ = ["ANY_HOST", "DIRECT", "CrawlerSettings"]
 
 #: The entry of ``CRAWL_PROXIES`` that means "no proxy".
 DIRECT = "direct"
+#: ``CRAWL_ALLOWED_HOSTS`` value that allows every host (the default).
+ANY_HOST = "*"
 
 _BROKER_SCHEMES = ("redis", "rediss", "amqp", "amqps", "pyamqp")
 _MiB = 1024 * 1024
+_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,9 @@ class CrawlerSettings:
             ``CRAWL_WORKER_LEASE_TTL``); None keeps celery-crawl's defaults.
         visibility_timeout_s: Redis broker ``visibility_timeout`` (``CRAWL_VISIBILITY_TIMEOUT``);
             None keeps kombu's (1 h). The worker plugin recovers a dead worker's tasks sooner.
+        allowed_hosts: the only hosts a fetch (or a redirect it follows) may go to, lower case,
+            IDNA names in their ``xn--`` form (``CRAWL_ALLOWED_HOSTS``, comma separated); None
+            (the default, ``*``) allows every host.
     """
 
     redis_url: str
@@ -94,6 +101,7 @@ class CrawlerSettings:
     beat_lease_ttl_s: float | None
     worker_lease_ttl_s: float | None
     visibility_timeout_s: float | None
+    allowed_hosts: tuple[str, ...] | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> CrawlerSettings:
@@ -152,7 +160,16 @@ class CrawlerSettings:
             beat_lease_ttl_s=_optional_seconds(e, "CRAWL_BEAT_LEASE_TTL"),
             worker_lease_ttl_s=_optional_seconds(e, "CRAWL_WORKER_LEASE_TTL"),
             visibility_timeout_s=_optional_seconds(e, "CRAWL_VISIBILITY_TIMEOUT"),
+            allowed_hosts=_hosts(e, "CRAWL_ALLOWED_HOSTS"),
         )
+
+    def host_allowed(self, host: str) -> bool:
+        """Whether ``CRAWL_ALLOWED_HOSTS`` lets a fetch go to ``host`` (exact name match:
+        ``example.com`` does not allow ``www.example.com``)."""
+        if self.allowed_hosts is None:
+            return True
+        name = _host_name(host)
+        return name is not None and name in self.allowed_hosts
 
     def celery_conf(self, *, audited_backend: bool) -> dict[str, Any]:
         """Celery settings for the crawler app.
@@ -265,6 +282,50 @@ def _addr(env: Mapping[str, str], var: str, default: str) -> str:
     except ValueError:
         raise ConfigError(f"{var}: {raw!r} is not an IP address (e.g. 0.0.0.0)") from None
     return raw
+
+
+def _hosts(env: Mapping[str, str], var: str) -> tuple[str, ...] | None:
+    raw = env.get(var)
+    if raw is None:
+        return None
+    entries = [h.strip() for h in raw.split(",") if h.strip()]
+    hint = "give host names or IP addresses, comma separated (e.g. 127.0.0.1,localhost), or *"
+    if not entries:
+        # An allow-list that is set but empty is a mistake, not "no restriction".
+        raise ConfigError(f"{var}: empty ({raw!r}); {hint}")
+    if ANY_HOST in entries:
+        if len(entries) > 1:
+            raise ConfigError(f"{var}: {raw!r}: * allows every host and cannot be combined "
+                              "with host names")
+        return None
+    hosts: list[str] = []
+    for entry in entries:
+        host = _host_name(entry)
+        if host is None:
+            raise ConfigError(f"{var}: {entry!r} is not a host name (no scheme, port, path or "
+                              f"wildcard); {hint}")
+        if host not in hosts:
+            hosts.append(host)
+    return tuple(hosts)
+
+
+def _host_name(entry: str) -> str | None:
+    """``entry`` as the host part of a URL is compared (lower case, ``xn--`` form), or None."""
+    text = entry.lower()
+    literal = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        return str(ipaddress.ip_address(literal))
+    except ValueError:
+        pass
+    try:
+        name = text.encode("idna").decode("ascii") if not text.isascii() else text
+    except UnicodeError:
+        return None
+    name = name.rstrip(".")
+    labels = name.split(".")
+    if not name or len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        return None
+    return name
 
 
 def _port(env: Mapping[str, str], var: str) -> int | None:

@@ -1,10 +1,12 @@
-"""``celery-crawl up`` as a user runs it: one leader, the shipped schedules, failover, Flower."""
+"""``celery-crawl up`` as a user runs it: one leader, the shipped schedules, failover, Flower,
+and crawls limited to loopback (the shipped storefront entries are loaded and may come due)."""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
 import importlib.util
+import io
 import os
 import re
 import signal
@@ -19,9 +21,11 @@ from pathlib import Path
 import pytest
 
 from celery_crawl.schedules import load_schedule_files
+from celery_crawl.up import Fleet, _Output
 from tests.procs import ROOT
 from tests.servers import wait_until
 from tests.unit.test_compose import command_lines_holding
+from workers.sink import PageRecord, Sink
 
 pytestmark = pytest.mark.system
 
@@ -29,6 +33,7 @@ CELERY_CRAWL = str(Path(sys.executable).with_name("celery-crawl"))
 SHIPPED = [str(ROOT / "beat_schedules" / "*.toml"),
            str(ROOT / "beat_schedules" / "demo" / "*.toml")]
 _FLOWER = re.compile(r"flower\s+(http://127\.0\.0\.1:\d+)\s+user '(\w+)' password '(\S+)'")
+_HOSTS_LINE = "up | hosts        crawls limited to 127.0.0.1, localhost (CRAWL_ALLOWED_HOSTS)"
 #: ``up`` runs 30 s; start-up and a warm stop take a few more. 3x headroom.
 _EXIT_TIMEOUT_S = 150
 
@@ -135,11 +140,35 @@ def _probe_flower(up: Up) -> FlowerProbe:
     return FlowerProbe(True, denied, allowed, command_lines_holding(password))
 
 
+def _worker_environ(up: Up) -> dict[str, str]:
+    """The environment of the worker ``up`` started (its child running ``celery ... worker``)."""
+    def find() -> dict[str, str] | None:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = (entry / "status").read_text()
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                ppid = re.search(r"^PPid:\s+(\d+)$", status, re.M)
+                if (ppid is None or int(ppid.group(1)) != up.proc.pid
+                        or b"workers.crawler" not in argv or b"worker" not in argv):
+                    continue
+                raw = (entry / "environ").read_bytes()
+            except OSError:  # the process ended meanwhile
+                continue
+            return dict(x.decode().split("=", 1) for x in raw.split(b"\0") if b"=" in x)
+        return None
+
+    found: dict[str, str] = wait_until(find, 60, interval_s=0.2, what="the worker of up")
+    return found
+
+
 @dataclasses.dataclass
 class Run:
     out: str
     returncode: int
     flower: FlowerProbe
+    worker_env: dict[str, str]
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +176,10 @@ def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     """One ``celery-crawl up --duration 30`` with the default (shipped) schedules."""
     up = Up(tmp_path_factory.mktemp("up"), "--duration", "30")
     try:
+        worker_env = _worker_environ(up)
         flower = _probe_flower(up)
         out = up.finish()
-        yield Run(out, up.proc.returncode, flower)
+        yield Run(out, up.proc.returncode, flower, worker_env)
     finally:
         up.kill()
 
@@ -166,7 +196,44 @@ def test_up_runs_scheduled_crawls_under_one_leader_and_exits_cleanly(plain_run: 
     runs = runs_per_entry(summary)
     assert runs.get("demo-news", (0, 0, 0))[1] >= 3, summary
     assert all(dups == 0 for _, _, dups in runs.values()), summary
-    assert "pages: ok:" in summary
+    assert re.search(r"pages: (.*, )?ok: \d+", summary), summary
+
+
+def test_up_limits_crawls_to_loopback(plain_run: Run) -> None:
+    assert _HOSTS_LINE in plain_run.out
+    assert plain_run.worker_env["CRAWL_ALLOWED_HOSTS"] == "127.0.0.1,localhost"
+    # A storefront entry that came due during the run (one crossing :00 or :30) was run and
+    # refused at once: one refused page per entry, and no other outcome for its URL.
+    summary = summary_of(plain_run.out)
+    due = [e for e, (_, run, _) in runs_per_entry(summary).items()
+           if not e.startswith("demo-") and run > 0]
+    pages = re.search(r"pages: (.*)$", summary, re.M)
+    assert pages, summary
+    if due:
+        assert f"refused (host not allowed): {len(due)}" in pages.group(1), summary
+    else:
+        assert "refused" not in pages.group(1), summary
+    assert "failed:network" not in pages.group(1), summary
+
+
+def test_up_summary_counts_refused_pages(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    out = _Output(stream, color=False)
+    fleet = Fleet(tmp_path, out, flower=False)
+    sink = Sink(str(tmp_path / "crawl-results.sqlite3"))
+    for n, url in enumerate(["https://www.newegg.com/todays-deals", "https://www.jd.com/"]):
+        sink.upsert(PageRecord(url=url, outcome="failed:host-not-allowed"), n + 1)
+    sink.upsert(PageRecord(url="http://127.0.0.1:8470/", outcome="ok"), 3)
+    sink.close()
+    out.line("worker", "give up https://www.jd.com/: host-not-allowed: host www.jd.com is not "
+                       "in CRAWL_ALLOWED_HOSTS (not retryable)")
+    out.line("worker", "give up http://127.0.0.1:8470/binary: content-type: image/png "
+                       "(not retryable)")
+    fleet._summary(1.0)
+    text = stream.getvalue()
+    assert "up |   pages: ok: 1, refused (host not allowed): 2\n" in text, text
+    assert ("retry decisions logged by the crawler: refused (host not allowed): 1, "
+            "given up: 1\n") in text, text
 
 
 def test_up_loads_the_shipped_schedule_files(plain_run: Run) -> None:
