@@ -63,6 +63,7 @@ from ..errors import (
     StoreTimeout,
     StoreUnavailable,
 )
+from ..worker import finishing
 
 __all__ = [
     "MAX_TOKEN",
@@ -459,6 +460,10 @@ class AuditedRedisBackend(RedisBackend):
     # -- writes ---------------------------------------------------------------------------------
     def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
                       request: Any = None, **kwargs: Any) -> Any:
+        if state in states.READY_STATES:
+            # The body has returned: a lease loss from here on must not kill this run (its
+            # work is done); the worker plugin reads the mark (see worker/finishing.py).
+            finishing.mark(bytes_to_str(task_id))
         meta = self._get_result_meta(result=result, state=state, traceback=traceback,
                                      request=request)
         meta["task_id"] = bytes_to_str(task_id)

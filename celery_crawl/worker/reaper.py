@@ -16,8 +16,15 @@ held the reaper lease; otherwise one interval earlier) and before this one; the 
 window minus the lease's TTL is its last renewal (``claims.estimate_death``). The worker that
 runs the task next observes the preemption latency from it.
 
+Grace: an orphaned claim is reaped only once it has been seen orphaned for ``ORPHAN_GRACE_S``
+(a claim seen for the first time makes the next pass come that much later, not a whole
+interval). After an outage of the store that every worker lost, the leases of all of them
+expired at once; the grace lets a worker whose task had finished its body during the outage
+record that end (ack, tombstone) before its claim is reaped and the task run again.
+
 Bound (Redis broker): a task of a worker killed at time T runs elsewhere by about
-``T + ttl + reaper_interval`` (+ one renewal interval of slack, + queue wait).
+``T + ttl + reaper_interval + ORPHAN_GRACE_S`` (+ one renewal interval of slack, + queue
+wait).
 """
 
 from __future__ import annotations
@@ -35,7 +42,10 @@ from .broker import BrokerOps
 from .claims import estimate_death, lenient_float, record_requeues
 from .keeper import boottime
 
-__all__ = ["Reaper"]
+__all__ = ["ORPHAN_GRACE_S", "Reaper"]
+
+#: How long a claim must have been seen orphaned before it is reaped.
+ORPHAN_GRACE_S = 1.0
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +87,8 @@ class Reaper:
         self._next = 0.0
         #: UNIX time of this reaper's last complete pass while it held the lease since.
         self._last_pass_at: float | None = None
+        #: (claim key, claim token) -> when this reaper first saw it orphaned (boottime).
+        self._seen: dict[tuple[str, int], float] = {}
         self.recovered = 0
         self.passes = 0
 
@@ -111,16 +123,24 @@ class Reaper:
         if lease is None or self._lease is None or self._lease.token != lease.token:
             # Not reaping continuously: another reaper may have passed meanwhile.
             self._last_pass_at = None
+            self._seen = {}
         return self.leading
 
     def run_once(self) -> int:
         """Recover every orphaned claim found in one pass; returns how many were recovered."""
         self.passes += 1
         read_at = time.time()
-        claims = self.store.orphaned_claims(limit=self.limit)
+        found = self.store.orphaned_claims(limit=self.limit)
         found_at = time.time()
+        now = self.clock()
+        seen = {(c.key, c.token): self._seen.get((c.key, c.token), now) for c in found}
+        self._seen = seen
+        claims = [c for c in found if now - seen[(c.key, c.token)] >= ORPHAN_GRACE_S]
+        if len(claims) < len(found):  # some seen for the first time: look again after the grace
+            self._next = min(self._next, now + ORPHAN_GRACE_S)
         if not claims:
-            self._last_pass_at = read_at
+            if not found:
+                self._last_pass_at = read_at
             return 0
         t0 = time.monotonic()
         record_requeues(self.store, claims, self.done_ttl_s,

@@ -30,6 +30,7 @@ from .. import keys, metrics
 from ..config import CrawlConfig
 from ..errors import LeaseLost, PoisonMessage, StoreError
 from ..leases.base import Lease, LeaseStore
+from . import finishing
 from .broker import BrokerOps, broker_ops
 from .claims import ClaimBook, Claimer, Decision, Held, Outcome, lenient_int
 from .context import CLAIM_HEADER
@@ -89,6 +90,8 @@ class LeaseStep(bootsteps.StartStopStep):
         self.poisoned = 0
         self._closed = False
         self._unprotected: set[str] = set()
+        # Before the pool forks (our start runs after it), so every child inherits the path.
+        finishing.setup()
         w.crawl_lease = self
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -145,6 +148,7 @@ class LeaseStep(bootsteps.StartStopStep):
         if self.store is not None:
             with contextlib.suppress(StoreError):
                 self.store.close()
+        finishing.teardown()
 
     def _warn_acks_early(self) -> None:
         early = sorted(name for name, task in self.app.tasks.items()
@@ -312,6 +316,7 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def _run(self, held: Held) -> None:
         original, body, ack, reject, callbacks, kwargs = held.extra["run"]
+        finishing.clear(held.task_id)  # a mark left by an earlier delivery of this id
         held.message.headers[CLAIM_HEADER] = held.token
 
         def on_ack(*args: Any, **kw: Any) -> Any:
@@ -360,6 +365,7 @@ class LeaseStep(bootsteps.StartStopStep):
         still ours, so it is settled normally.
         """
         self.book.pop(held)
+        finishing.clear(held.task_id)
         held.fenced = True
         assert self.store is not None and self.claimer is not None
         ours: bool | None
@@ -381,6 +387,7 @@ class LeaseStep(bootsteps.StartStopStep):
             self._release(held, "claim taken over", requeue=False)
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
+        finishing.clear(held.task_id)
         if self.book.pop(held) is None:
             return
         metrics.WORKER_CLAIMS.set(len(self.book))
@@ -488,14 +495,23 @@ class LeaseStep(bootsteps.StartStopStep):
         c = self.consumer
         if c is not None:
             self._stop_consuming(c, reason)
-        fenced = self.book.take_all()
-        metrics.WORKER_CLAIMS.set(0)
+        taken = self.book.take_all()
+        # A task whose body has returned and that is only writing its result is kept: killing
+        # it would not undo its work, only run it again. Its end is recorded (or, if its
+        # claim was reaped meanwhile, forgotten here) when its result write returns.
+        ending = [h for h in taken if not h.parked and finishing.finished(h.task_id)]
+        for held in ending:
+            self.book.add(held)
+        kept = {id(h) for h in ending}
+        fenced = [h for h in taken if id(h) not in kept]
+        metrics.WORKER_CLAIMS.set(len(ending))
         # A store we cannot reach may have lost our claims (and the delivery tags they record)
         # or be unreachable for the reaper too: requeue ourselves. A store that answered "lost"
         # (or a freeze) means the reaper can see our orphaned claims and restores each tag once.
         requeue = bool(self.keeper and self.keeper.failing)
         cancelled = 0
         for held in fenced:
+            finishing.clear(held.task_id)
             held.fenced = True
             if not held.parked:
                 self.fenced_count += 1
@@ -503,8 +519,9 @@ class LeaseStep(bootsteps.StartStopStep):
             self._release(held, reason, requeue=requeue)
         logger.error(
             "celery-crawl: lease lost (%s): stopped consuming, cancelled %d running/reserved "
-            "task(s) without acking, released %d delivery(ies); resuming once a new lease is "
-            "held", reason, cancelled, len(fenced))
+            "task(s) without acking, released %d delivery(ies), kept %d whose body had "
+            "returned (their results are being written); resuming once a new lease is held",
+            reason, cancelled, len(fenced), len(ending))
 
     def _on_lease_acquired(self, lease: Lease) -> None:
         c = self.consumer

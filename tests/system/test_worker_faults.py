@@ -276,3 +276,51 @@ def test_reconnection_releases_claims_of_dropped_reserved_tasks(
         # once the run wrote its tombstone (stock Celery would run it a second time).
         wait_until(lambda: "as a duplicate" in proc.log(), 30, what="the copy dropped")
         assert len(runs(combo, long_key)) == 1
+
+
+def test_task_that_finished_during_a_whole_store_outage_is_not_run_again(
+    redis_srv: RedisServer, fresh_redis: RedisServer, tmp_path: Path,
+) -> None:
+    """One Redis is lease store, broker and (audited) result backend, and it freezes
+    (SIGSTOP) just as a task's body returns: the result write blocks, the worker loses its
+    lease. The body's work is done, so the run is kept rather than cancelled; when the store
+    answers again its result is written and acked before the reaper's grace ends, and the task
+    never runs a second time."""
+    combo = Combo(broker=fresh_redis.url_db(1),
+                  backend=fresh_redis.url_db(2).replace("redis://", "crawlredis://"),
+                  lease=fresh_redis.url_db(0), sink=redis_srv.url_db(3), pool="prefork",
+                  # The blocked result write times out and waits 3 s before its retry, so the
+                  # loss handler runs while the finished run is still writing its result.
+                  extra_env={"CRAWL_T_BACKEND_TIMEOUT": "1"})
+    key = combo.ns
+    with workers(combo, tmp_path) as ws:
+        proc = ws.start("a")
+        ws.start("b")
+        task_id = send(combo, key, 1.0)
+        first = wait_until(lambda: runs(combo, key), 30, what="task started")[0]
+        assert fresh_redis.proc is not None
+        os.kill(fresh_redis.proc.pid, signal.SIGSTOP)
+        t_down = time.time()
+        try:
+            # The body goes on (the sink is another server), commits, and returns.
+            wait_until(lambda: runs(combo, key, "finished"), 30, what="the body returned")
+            owner = proc if first["host"] == ws.hostname("a") else ws.procs["b"]
+            # The keeper thread notices; the loss handler runs in the event loop, which the
+            # frozen broker holds up until the store answers again.
+            wait_until(lambda: "worker lease lost" in owner.log(), 3 * TTL_S + 10,
+                       what="lease loss noticed")
+            # The outage outlasts the TTL, so every lease in the store has expired.
+            time.sleep(max(0.0, t_down + 1.5 * TTL_S - time.time()))
+        finally:
+            os.kill(fresh_redis.proc.pid, signal.SIGCONT)
+        meta = wait_until(
+            lambda: fresh_redis.client(2).get(f"celery-task-meta-{task_id}"), 30,
+            what="the result written once the store answers")
+        assert b'"SUCCESS"' in meta
+        wait_until(lambda: "lease lost (" in owner.log(), 30, what="the loss handled")
+        assert "cancelled 1 running" not in owner.log()
+        # Long enough for a reaper to have reaped and a second worker to have run it.
+        time.sleep(3 * TTL_S)
+        assert len(runs(combo, key)) == 1, runs(combo, key)
+        assert [r["accepted"] for r in runs(combo, key, "finished")] == [True]
+        assert fresh_redis.client(1).hlen("unacked") == 0

@@ -8,7 +8,9 @@ Configured from the environment so one module serves every pool x broker x store
 * ``CRAWL_T_VT`` — Redis ``visibility_timeout`` (with the restore sweep every second);
 * ``CRAWL_T_SINK`` — Redis URL of the fenced sink the tasks write to;
 * ``CRAWL_T_STOCK=1`` — stock Celery with ``acks_late`` only (benchmark baseline);
-* ``CRAWL_T_MAX_DELIVERIES``, ``CRAWL_T_ON_LOSS`` — the corresponding ``crawl_*`` settings.
+* ``CRAWL_T_MAX_DELIVERIES``, ``CRAWL_T_ON_LOSS`` — the corresponding ``crawl_*`` settings;
+* ``CRAWL_T_BACKEND_TIMEOUT`` — the result backend's socket timeout (its writes then retry
+  every 3 s).
 
 The sink is the external system a crawl writes to: every run appends to ``started:<key>``;
 ``commit:<key>`` is a write that refuses tokens older than the stored one (a fenced write), so a
@@ -60,6 +62,10 @@ else:
     if _env("CRAWL_T_REAPER"):
         app.conf.crawl_reaper_interval = float(_env("CRAWL_T_REAPER", "1"))
     install_worker(app)
+if _env("CRAWL_T_BACKEND_TIMEOUT"):  # result writes time out and are retried 3 s apart
+    app.conf.redis_socket_timeout = float(_env("CRAWL_T_BACKEND_TIMEOUT", "1"))
+    app.conf.result_backend_transport_options = {"retry_policy": {
+        "max_retries": 30, "interval_start": 3, "interval_step": 0, "interval_max": 3}}
 
 _FENCED_WRITE = """
 local cur = redis.call('HGET', KEYS[1], 'token')
