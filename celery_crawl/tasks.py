@@ -43,6 +43,7 @@ from celery.signals import before_task_publish
 from .backends.audited import AuditedRedisBackend, _claim_token, parse_token
 from .backends.ledger import Heartbeat, KeyLedger
 from .errors import ConfigError, CrawlError, FencedError, PoisonMessage, ReplayError
+from .worker import finishing
 
 __all__ = [
     "DEADLINE_HEADER",
@@ -310,6 +311,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 if outcome:
                     request.crawl_rollback = outcome
                 raise
+            # The body has returned: what is left is bookkeeping on the result backend, so a
+            # lease loss from here on keeps this run instead of killing it (worker/finishing.py).
+            finishing.mark(str(request.id))
             if heartbeat.fenced or not ledger.touch(run_id):
                 fenced = FencedError(
                     f"task {request.id}: idempotency key {ledger.key!r} was taken over by a "

@@ -9,33 +9,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from celery import Celery
-
-import celery_crawl
 from celery_crawl.tasks import IdempotentTask
+from tests.security.appconf import security_app
 
 _env = os.environ.get
 
-app = Celery("crawlsecb", broker=_env("CRAWL_SEC_BROKER"), backend=_env("CRAWL_SEC_BACKEND"))
-app.conf.update(
-    crawl_lease_url=_env("CRAWL_SEC_LEASE"),
-    crawl_namespace=_env("CRAWL_SEC_NS", "crawlsecb"),
-    crawl_worker_lease_ttl=3.0,
-    crawl_store_timeout=1.0,
-    crawl_schedule_paths=["no-such-dir/*.toml"],
-    redis_socket_timeout=5,
-    redis_socket_connect_timeout=5,
-    broker_transport_options={"socket_timeout": 5, "socket_connect_timeout": 5},
-    broker_connection_retry_on_startup=True,
-    task_serializer="json",
-    result_serializer="json",
-    accept_content=["json"],
-    task_track_started=True,
-    result_expires=600,
-    worker_hijack_root_logger=True,
-    worker_redirect_stdouts=False,
-)
-celery_crawl.install(app)
+app = security_app("crawlsecb", task_track_started=True, result_expires=600)
 
 
 @app.task(name="secb.add")
