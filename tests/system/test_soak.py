@@ -26,11 +26,11 @@ from tests.system.soak.run import missing_pieces, run_soak
 pytestmark = [pytest.mark.system, pytest.mark.soak, pytest.mark.slow]
 
 KNOWN_DEFECTS = (
-    "known open defects (closing note of issue 8): a run that finished while the store "
-    "was unreachable is cancelled on lease loss and run again (its completion could not be "
-    "recorded); a delivery can stay in the broker's unacked hash after its worker died on a "
-    "broker connection loss (the claim is dropped before the requeue is known to have "
-    "happened)"
+    "known open limits (docs/design.md, Known limits): a worker frozen (SIGSTOP) after its "
+    "task's external write but before the ack, for longer than ttl + the reaper's grace, has "
+    "its task recovered and run again (at least once: the first write already stuck); a "
+    "delivery can stay in the broker's unacked hash after its worker died on a broker "
+    "connection loss (kombu's visibility timeout redelivers it)"
 )
 
 #: Counted window per store in CI (the whole run adds start-up, grace, drain and shutdown).
