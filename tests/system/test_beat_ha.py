@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +308,15 @@ def test_operator_cli(redis_cluster: tuple[Cluster, RedisServer]) -> None:
     wait_until(lambda: any(r["manual"] and r["entry"] == "e0" for r in cluster.runs()), 15,
                what="the triggered run")
     assert "PAUSED" not in crawl("status")
+    # backfill: every slot of the window runs once, as a manual run with that slot
+    base = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)
+    crawl("backfill", "e1", "--start", base.isoformat(),
+          "--end", (base + timedelta(seconds=2)).isoformat())
+    want = {f"{base + timedelta(seconds=i):%Y-%m-%dT%H:%M:%SZ}" for i in range(3)}
+    got = wait_until(lambda: (m := [r["slot"] for r in cluster.runs()
+                                    if r["manual"] and r["entry"] == "e1"])
+                     and want <= set(m) and m, 15, what="the backfilled runs")
+    assert sorted(got) == sorted(want), got
 
 
 def test_every_slot_ran_once_or_was_recorded_skipped(
