@@ -326,6 +326,9 @@ class LeasedScheduler(Scheduler):
         dropped = len(self._pending_states)
         self._pending.clear()
         self._pending_states.clear()
+        # The held-back writes are gone with the leadership; a next term starts from the store's
+        # records and must not stay held back by this term's failed flush.
+        self._flush_failed = False
         self.states.clear()
         self._skiplogs.clear()
         self._due = DueHeap()
@@ -449,6 +452,7 @@ class LeasedScheduler(Scheduler):
     def _flush(self) -> None:
         """Write queued state records with the leader lease (after the publishes they record)."""
         if not self._pending_states and not self._pending:
+            self._flush_failed = False
             return
         assert self._store is not None
         lease = self.election.lease

@@ -87,8 +87,9 @@ class Reaper:
         self._next = 0.0
         #: UNIX time of this reaper's last complete pass while it held the lease since.
         self._last_pass_at: float | None = None
-        #: (claim key, claim token) -> when this reaper first saw it orphaned (boottime).
-        self._seen: dict[tuple[str, int], float] = {}
+        #: (claim key, claim token) -> when this reaper first saw it orphaned (boottime, UNIX
+        #: time) and its last pass before that (UNIX time, or None): the death estimate's window.
+        self._seen: dict[tuple[str, int], tuple[float, float, float | None]] = {}
         self.recovered = 0
         self.passes = 0
 
@@ -133,9 +134,10 @@ class Reaper:
         found = self.store.orphaned_claims(limit=self.limit)
         found_at = time.time()
         now = self.clock()
-        seen = {(c.key, c.token): self._seen.get((c.key, c.token), now) for c in found}
+        first = (now, found_at, self._last_pass_at)
+        seen = {(c.key, c.token): self._seen.get((c.key, c.token), first) for c in found}
         self._seen = seen
-        claims = [c for c in found if now - seen[(c.key, c.token)] >= ORPHAN_GRACE_S]
+        claims = [c for c in found if now - seen[(c.key, c.token)][0] >= ORPHAN_GRACE_S]
         if len(claims) < len(found):  # some seen for the first time: look again after the grace
             self._next = min(self._next, now + ORPHAN_GRACE_S)
         if not claims:
@@ -144,7 +146,7 @@ class Reaper:
             return 0
         t0 = time.monotonic()
         record_requeues(self.store, claims, self.done_ttl_s,
-                        died_at=self._death_estimates(claims, found_at))
+                        died_at=self._death_estimates(claims, seen))
         # Drop first (compare-and-delete on the claim token), restore only what we dropped: a
         # claim re-taken since we read it belongs to a live delivery whose tag must not be
         # restored again.
@@ -169,8 +171,12 @@ class Reaper:
         )
         return dropped
 
-    def _death_estimates(self, claims: list[Claim], found_at: float) -> dict[str, float]:
-        """Estimated death instant of each dead lease among ``claims``, by lease name."""
+    def _death_estimates(
+        self, claims: list[Claim], seen: dict[tuple[str, int], tuple[float, float, float | None]],
+    ) -> dict[str, float]:
+        """Estimated death instant of each dead lease among ``claims``, by lease name: within
+        the window from the pass before the lease was first seen dead to that first sighting
+        (the grace that follows is not part of it)."""
         by_lease: dict[str, list[Claim]] = {}
         for claim in claims:
             by_lease.setdefault(claim.lease_name, []).append(claim)
@@ -178,8 +184,9 @@ class Reaper:
         for name, own in by_lease.items():
             claimed = [lenient_float(c.value.get("claimed_at")) for c in own]
             ttls = [lenient_float(c.value.get("ttl_s")) for c in own]
+            _, dead_at, alive_at = min((seen[(c.key, c.token)] for c in own), key=lambda t: t[0])
             out[name] = estimate_death(
-                dead_at=found_at, alive_at=self._last_pass_at,
+                dead_at=dead_at, alive_at=alive_at,
                 ttl_s=max((t for t in ttls if t), default=self.ttl_s),
                 claimed_at=max((t for t in claimed if t), default=None),
                 window_s=self.interval_s)

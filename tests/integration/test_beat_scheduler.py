@@ -485,3 +485,43 @@ def test_publish_retries_stay_within_the_lease_validity(
         assert skips.totals.get("publish_failed", 0) >= 1, skips.totals
     finally:
         broker.cleanup()
+
+
+def test_leader_dispatches_again_after_a_store_outage_that_failed_its_state_write(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    """A state write that fails in a store outage holds further runs back until it succeeds;
+    the outage also costs the lease. The held-back writes go with that leadership, so when the
+    replica leads again it must dispatch, not stay held back by the old term's failed write."""
+    import signal
+
+    store = RedisServer().start()
+    try:
+        sched = {"tick": {"task": "t.record", "schedule": EVERY_SECOND}}
+        app = make_app(redis_server, ns, sched, crawl_lease_url=store.url_db(0),
+                       crawl_beat_lease_ttl=2.0, crawl_store_timeout=0.5)
+        a = start(app, opened)
+        run_for([a], 2.5)
+        assert a.election.is_leader and drain(redis_server, ns)
+        old_token = a.election.lease.token
+        assert store.proc is not None
+        os.killpg(store.proc.pid, signal.SIGSTOP)
+        try:
+            # The outage strikes a flush (as it does in the middle of a burst): it fails for
+            # real against the frozen store and holds further runs back.
+            a._queue_state("tick")
+            a._flush()
+            assert a._flush_failed
+            wait_until(lambda: (a.tick(), not a.election.is_leader)[1], 15,
+                       interval_s=0.05, what="the leader demotes in the outage")
+        finally:
+            os.killpg(store.proc.pid, signal.SIGCONT)
+        wait_until(lambda: (a.tick(), a.election.is_leader)[1], 15, interval_s=0.05,
+                   what="it leads again")
+        drain(redis_server, ns)
+        run_for([a], 2.5)
+        msgs = drain(redis_server, ns)
+        assert msgs, "a leader held back by the previous term's failed state write"
+        assert all(m["crawl_leader_token"] > old_token for m in msgs)
+    finally:
+        store.cleanup()
