@@ -31,13 +31,13 @@ __all__ = ["RETRY_INTERVAL_S", "Publisher", "task_id_for"]
 
 log = logging.getLogger("celery_crawl.beat")
 
-#: Pause between publish retries; the number of retries is what fits in the lease's validity.
+#: Pause between publish retries; retries go on while another attempt fits in the validity.
 RETRY_INTERVAL_S = 0.2
 #: Publish options the scheduler sets itself; an entry cannot override them.
 _RESERVED = ("task_id", "producer", "serializer", "retry", "retry_policy")
 #: Keys the fast path passes to ``send_task_message`` itself; routing of a registered task
 #: returns some of them (its ``serializer``, say) and they must not be passed twice.
-_PASSED = frozenset(("serializer", "headers", "retry", "retry_policy", "producer", "task_id"))
+_PASSED = frozenset((*_RESERVED, "headers"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -4,9 +4,11 @@ On a lease loss the main process cancels the tasks it runs (``crawl_on_lease_los
 fail closed), because the reaper may hand them to another worker. A task whose body has already
 returned and that is only writing its result (blocked on a store that everyone lost, say) has
 done its work: killing it does not undo that work, it only makes the task run a second time.
-So the audited result backend marks a task here, in the pool child, just before it writes a
-ready state; the main process keeps such tasks on a lease loss and records their end once the
-store answers again (the reaper gives an orphaned claim one grace period before it reaps it).
+So the pool child marks a task here as soon as its body has returned: ``IdempotentTask`` right
+after ``run`` (before its ledger bookkeeping), the audited result backend just before it writes
+a ready state of any task. The main process keeps marked tasks on a lease loss and records
+their end once the store answers again (the reaper gives an orphaned claim one grace period
+before it reaps it). Every end of a delivery clears its mark.
 
 Marks are empty files in a directory private to this worker process start (under
 ``/dev/shm`` when writable), named by a hash of the task id; the directory is made by the

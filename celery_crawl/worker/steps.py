@@ -316,7 +316,6 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def _run(self, held: Held) -> None:
         original, body, ack, reject, callbacks, kwargs = held.extra["run"]
-        finishing.clear(held.task_id)  # a mark left by an earlier delivery of this id
         held.message.headers[CLAIM_HEADER] = held.token
 
         def on_ack(*args: Any, **kw: Any) -> Any:
@@ -495,15 +494,16 @@ class LeaseStep(bootsteps.StartStopStep):
         c = self.consumer
         if c is not None:
             self._stop_consuming(c, reason)
-        taken = self.book.take_all()
         # A task whose body has returned and that is only writing its result is kept: killing
         # it would not undo its work, only run it again. Its end is recorded (or, if its
         # claim was reaped meanwhile, forgotten here) when its result write returns.
-        ending = [h for h in taken if not h.parked and finishing.finished(h.task_id)]
+        ending: list[Held] = []
+        fenced: list[Held] = []
+        for held in self.book.take_all():
+            kept = not held.parked and finishing.finished(held.task_id)
+            (ending if kept else fenced).append(held)
         for held in ending:
             self.book.add(held)
-        kept = {id(h) for h in ending}
-        fenced = [h for h in taken if id(h) not in kept]
         metrics.WORKER_CLAIMS.set(len(ending))
         # A store we cannot reach may have lost our claims (and the delivery tags they record)
         # or be unreachable for the reaper too: requeue ourselves. A store that answered "lost"
