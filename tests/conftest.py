@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 
@@ -19,6 +20,20 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def _collect_results_while_servers_live() -> Iterator[None]:
+    """Collect a test's garbage before its servers stop.
+
+    Celery's ``AsyncResult.__del__`` unsubscribes from its result channel; run by the garbage
+    collector in a later test, after the Redis it subscribed on is gone, that unsubscribe goes
+    through the backend's retry policy (20 retries, a second apart) and stalls whichever test
+    happened to trigger the collection. Autouse fixtures are torn down after the test's own
+    function-scoped fixtures and before module- and session-scoped servers.
+    """
+    yield
+    gc.collect()
 
 
 def _require(what: str, env: str) -> bool:

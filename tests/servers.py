@@ -54,6 +54,13 @@ def free_cluster_port() -> int:
     raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
+#: ``result_backend_transport_options`` for a test's client app whose Redis stops with its
+#: module: an ``AsyncResult`` collected later unsubscribes through the backend's retry policy,
+#: and Celery's default (20 retries a second apart) would stall whichever test ran the collector.
+CLIENT_RESULT_OPTIONS = {"retry_policy": {"max_retries": 1, "interval_start": 0,
+                                          "interval_step": 0.2, "interval_max": 0.2}}
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
     """Poll ``predicate`` until it returns a truthy value; fail with ``what`` after the deadline."""
     deadline = time.monotonic() + timeout_s

@@ -25,7 +25,7 @@ from tests.procs import Proc, worker_args
 from tests.security.leaks import assert_no_secret, exception_text
 from tests.security.recipes import documented_acl_rules
 from tests.security.tlsservers import AclRedis
-from tests.servers import wait_until
+from tests.servers import CLIENT_RESULT_OPTIONS, wait_until
 
 pytestmark = pytest.mark.system
 
@@ -74,7 +74,8 @@ def deployment(acl_redis: AclRedis, tmp_path_factory: pytest.TempPathFactory
     client.conf.update(crawl_lease_url=env["CRAWL_SEC_LEASE"], crawl_namespace=ns,
                        task_serializer="json", result_serializer="json",
                        accept_content=["json"], result_expires=600, redis_socket_timeout=5,
-                       broker_transport_options={"socket_timeout": 5})
+                       broker_transport_options={"socket_timeout": 5},
+                       result_backend_transport_options=CLIENT_RESULT_OPTIONS)
     try:
         wait_until(lambda: client.control.ping(timeout=0.5), 60, interval_s=0.3,
                    what=f"the worker to answer ping; log:\n{proc.log()[-3000:]}")
