@@ -253,13 +253,31 @@ def test_flower_under_up_requires_the_printed_credentials(plain_run: Run) -> Non
     assert plain_run.flower.command_lines_with_password == []
 
 
+def _failed_over_and_crawled_on(out: str) -> bool:
+    """A leader was killed, its standby leads, the killed one is back as a standby, and a
+    crawl ran under the new leader, with demo-news (every 5 s) run at least three times."""
+    lines = out.splitlines()
+    leader_lines = [i for i, x in enumerate(lines) if "leader is now beat-" in x]
+    return (len(leader_lines) >= 2
+            and re.search(r"restarted beat-\d as a standby", out) is not None
+            and any(re.search(r"run of demo-[\w-]+ slot", x) for x in lines[leader_lines[1]:])
+            and len(re.findall(r"run of demo-news slot", out)) >= 3)
+
+
 def test_kill_leader_every_fails_over_and_crawls_go_on(tmp_path: Path) -> None:
-    up = Up(tmp_path, "--duration", "30", "--kill-leader-every", "8")
+    """Ended the way a user ends it: Ctrl-C (SIGINT to the terminal's foreground group, which
+    holds ``up`` alone; its children run in sessions of their own)."""
+    up = Up(tmp_path, "--duration", "90", "--kill-leader-every", "8")
     try:
+        wait_until(lambda: up.proc.poll() is None and _failed_over_and_crawled_on(up.output),
+                   90, interval_s=0.2, what="a failover with crawls going on after it")
+        os.killpg(up.proc.pid, signal.SIGINT)
         out = up.finish()
     finally:
         up.kill()
     assert_clean(out, up.proc.returncode)
+    assert "SIGINT: stopping everything" in out, out[-5000:]
+    assert "summary after 90" not in out, "stopped by --duration, not by Ctrl-C"
     summary = summary_of(out)
     stats = re.search(r"leaders seen: (\d+) \(failovers: (\d+), leader kills: (\d+)\)", summary)
     assert stats, summary
