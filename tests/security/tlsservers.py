@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from celery_crawl.up import find_redis_server
 from tests.servers import etcd_binary, free_port, wait_until
 
 __all__ = [
@@ -243,7 +244,7 @@ class _RedisBase:
             "user default off\n"
             f"user {ADMIN_USER} on >{self.admin_password} ~* &* +@all\n")
         args = [
-            shutil.which("redis-server") or "redis-server", *self._listen_args(),
+            find_redis_server(), *self._listen_args(),
             "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--appendonly", "no",
             "--logfile", str(self.dir / "redis.log"), "--aclfile", str(acl),
             "--protected-mode", "no",

