@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import redis
 
 from celery_crawl.up import find_redis_server
@@ -61,6 +62,14 @@ def free_cluster_port() -> int:
 #: and Celery's default (20 retries a second apart) would stall whichever test ran the collector.
 CLIENT_RESULT_OPTIONS = {"retry_policy": {"max_retries": 1, "interval_start": 0,
                                           "interval_step": 0.2, "interval_max": 0.2}}
+
+
+def missing_tool(reason: str) -> None:
+    """Skip for a missing tool; fail under CI (``CI=true``, set by .ci/run), which installs
+    every tool, so that a broken install cannot pass as a green run."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: every tool must be installed)")
+    pytest.skip(reason)
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):

@@ -30,7 +30,7 @@ from celery_crawl.beat.state import EntryState, SkipLog, parse_slot
 from celery_crawl.leases import open_store
 from celery_crawl.schedules import task_id_for
 from tests.procs import ROOT, Proc, celery_args, faketime_lib, worker_args
-from tests.servers import EtcdServer, RedisServer, etcd_binary, wait_until
+from tests.servers import EtcdServer, RedisServer, etcd_binary, missing_tool, wait_until
 
 pytestmark = pytest.mark.system
 
@@ -260,7 +260,7 @@ def test_skewed_replica_never_leads(redis_cluster: tuple[Cluster, RedisServer]) 
     cluster, _ = redis_cluster
     lib = faketime_lib()
     if lib is None:
-        pytest.skip("libfaketime not installed")
+        missing_tool("libfaketime not installed (apt-get install faketime)")
     # A constant +30 s on every clock. FAKETIME_DONT_FAKE_MONOTONIC=1 is not used: with
     # libfaketime 0.9.10 it makes Python's time.sleep (clock_nanosleep on CLOCK_MONOTONIC,
     # TIMER_ABSTIME) fail with EINVAL. A constant shift of the monotonic clocks changes no

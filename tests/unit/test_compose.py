@@ -31,7 +31,7 @@ import yaml
 from celery_crawl.schedules.files import load_schedule_files
 from celery_crawl.up import find_redis_server
 from tests.procs import ROOT, Proc
-from tests.servers import etcd_binary, free_port, wait_until
+from tests.servers import etcd_binary, free_port, missing_tool, wait_until
 
 COMPOSE = ROOT / "docker-compose.yml"
 EXPECTED = {"redis", "etcd", "demo-site", "beat-1", "beat-2", "worker-1", "worker-2", "flower",
@@ -125,8 +125,8 @@ def test_prometheus_scrapes_every_metrics_port() -> None:
 def test_prometheus_config_passes_promtool() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool not installed (apt-get install prometheus); the config is "
-                    "still checked statically by test_prometheus_scrapes_every_metrics_port")
+        missing_tool("promtool not installed (apt-get install prometheus); the config is "
+                     "still checked statically by test_prometheus_scrapes_every_metrics_port")
     out = subprocess.run([promtool, "check", "config", str(_prometheus_config())],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -252,7 +252,7 @@ def _healthy(argv: list[str], env: dict[str, str]) -> bool:
 def test_every_command_runs_and_passes_its_healthcheck(
         translator: Translator, started: list[Proc], tmp_path: Path) -> None:
     if etcd_binary() is None:
-        pytest.skip("etcd binary not found")
+        missing_tool("etcd binary not found (apt-get install etcd-server)")
     services = _compose()["services"]
     redis_cmd = translator.argv("redis", services["redis"]["command"], metrics_port=None)
     redis_cmd += ["--port", str(translator.ports["redis"]), "--bind", "127.0.0.1",
