@@ -21,9 +21,23 @@ local force = ARGV[7] == '1'
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+-- A run that takes the key raises its task's fence floor to its claim token: a stale run of
+-- the same task resumed after a freeze can then no longer store its (fenced) outcome in the
+-- instant before this run's first state write (store.lua refuses an older token).
+local function raise_floor()
+  local n = tonumber(token)
+  if not n then return end
+  local fkey = fprefix .. task
+  local cur = tonumber(redis.call('HGET', fkey, 'token') or '')
+  if cur and cur >= n then return end
+  redis.call('HSET', fkey, 'token', token)
+  if keep_s > 0 and redis.call('TTL', fkey) == -1 then redis.call('EXPIRE', fkey, keep_s) end
+end
+
 local function take(decision, extra)
   redis.call('HSET', ekey, 'task', task, 'token', token, 'owner', owner, 'hb', now + hb_ms)
   if keep_s > 0 then redis.call('EXPIRE', ekey, keep_s) end
+  raise_floor()
   return {decision, task, extra}
 end
 
@@ -48,6 +62,7 @@ if not alive or newer then
   if rbp then
     -- Finish the dead run's rollback under its own token; the record stays that task's.
     redis.call('HSET', ekey, 'token', token, 'owner', owner, 'hb', now + hb_ms)
+    if task == etask then raise_floor() end
     return {'rollback', etask, exc, rbp}
   end
   return take('run', '')

@@ -23,8 +23,13 @@ if cur[4] == attempt then
 end
 
 local cur_token, cur_ready = cur[1], cur[3]
+-- A token without a state is the floor an IdempotentTask run raised when it began
+-- (idem_begin.lua): an older claim token is refused; a write without a token is judged as
+-- before (nothing was stored yet).
+local floor = nil
 if not cur[2] then
-  -- No fence record: nothing stored yet, or a result written by a stock backend.
+  -- No state stored through this backend yet, or a result written by a stock backend.
+  floor = cur_token and tonumber(cur_token)
   cur_token = false
   cur_ready = '0'
   local old = redis.call('GET', rkey)
@@ -48,7 +53,9 @@ if check == '1' and ntoken then
   if not issued or ntoken > issued then outcome = 'refused-unissued' end
 end
 if outcome == 'written' then
-  if ctoken and (not ntoken or ntoken < ctoken) then
+  if floor and ntoken and ntoken < floor then
+    outcome = 'refused-stale'
+  elseif ctoken and (not ntoken or ntoken < ctoken) then
     outcome = 'refused-stale'
   elseif cur_ready == '1' then
     if ready ~= '1' then

@@ -81,6 +81,29 @@ def test_finished_once_the_owner_stored_a_ready_state(app) -> None:
     assert (decision.kind, decision.task_id) == ("finished", ids["t-done"])
 
 
+def test_a_resumed_stale_run_cannot_finish_the_key_before_the_newer_run_writes(app) -> None:
+    """A run frozen past its lease resumes, finds itself fenced and stores its failure in the
+    instant before the redelivered run's first state write: refused, so the key is not
+    finished by the stale run and the newer run's outcome stands."""
+    backend = app.backend
+    backend.client.set(backend.token_counter_key, 10**6)  # tokens up to here count as issued
+    led = ledger(app, ttl_s=0.3)
+    assert led.begin(ids["t1"], "5", "frozen").kind == "run"
+    assert led.begin(ids["t1"], "6", "redelivered").kind == "run"
+    backend.store_result(ids["t1"], ValueError("fenced"), states.FAILURE,
+                         request=Context(crawl_claim_token=5, hostname="w0"))
+    assert backend.get_task_meta(ids["t1"], cache=False)["status"] == states.PENDING
+    # The redelivered run dies too: the next delivery runs the key, it is not "finished".
+    assert led.begin(ids["t1"], "7", "third").kind == "run"
+    backend.store_result(ids["t1"], 42, states.SUCCESS,
+                         request=Context(crawl_claim_token=7, hostname="w1"))
+    assert backend.get_task_meta(ids["t1"], cache=False)["result"] == 42
+    # Without a token nothing was stored before the floor either: judged as it always was.
+    assert ledger(app).begin(ids["t2"], "8", "a").kind == "run"
+    backend.store_result(ids["t2"], 1, states.SUCCESS, request=Context(hostname="legacy"))
+    assert backend.get_task_meta(ids["t2"], cache=False)["result"] == 1
+
+
 def test_rollback_at_most_once_per_token_and_recovery_of_a_pending_one(app) -> None:
     led = ledger(app, ttl_s=0.3)
     failure = json.dumps({"exc_type": "ValueError", "exc_message": ["x"],
