@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import CrawlConfig
 from .errors import (
+    AbandonedRun,
     ConfigError,
     CrawlError,
     FencedError,
@@ -20,6 +21,7 @@ from .errors import (
     NotLeader,
     PoisonMessage,
     ReplayError,
+    RollbackFailed,
     ScheduleError,
     ScheduleFileError,
     SerializationRefused,
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from .tasks import IdempotentTask
 
 __all__ = [
+    "AbandonedRun",
     "AuditedRedisBackend",
     "Claim",
     "ConfigError",
@@ -54,6 +57,7 @@ __all__ = [
     "NotLeader",
     "PoisonMessage",
     "ReplayError",
+    "RollbackFailed",
     "ScheduleError",
     "ScheduleFileError",
     "SerializationRefused",

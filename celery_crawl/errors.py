@@ -16,6 +16,8 @@ occur, ``raise Mapped(...) from exc``, so callers only ever catch these::
     │   └── NotLeader               a leader-only write was attempted without the current token
     ├── FencedError                 a write carried an older fencing token than the stored one
     ├── PoisonMessage               a task was delivered crawl_max_deliveries times; ended FAILURE
+    ├── AbandonedRun                a key's earlier run died unfinished (passed to rollback)
+    ├── RollbackFailed              a dead run's effects could not be rolled back
     ├── ReplayError                 a finished idempotency key's outcome cannot be replayed
     ├── SerializationRefused        a payload in a serializer other than JSON was aimed at us
     └── UnsupportedSetup            a worker/beat configuration celery-crawl refuses to run under
@@ -24,6 +26,7 @@ occur, ``raise Mapped(...) from exc``, so callers only ever catch these::
 from __future__ import annotations
 
 __all__ = [
+    "AbandonedRun",
     "ConfigError",
     "CrawlError",
     "FencedError",
@@ -32,6 +35,7 @@ __all__ = [
     "NotLeader",
     "PoisonMessage",
     "ReplayError",
+    "RollbackFailed",
     "ScheduleError",
     "ScheduleFileError",
     "SerializationRefused",
@@ -115,6 +119,18 @@ class PoisonMessage(CrawlError):
 
     Stored as the task's FAILURE so callers see why; usually its worker was killed (OOM) by it.
     """
+
+
+class AbandonedRun(CrawlError):
+    """An earlier run of an idempotency key stopped (its worker killed or frozen) unfinished.
+
+    Passed to ``rollback`` by the run that takes the key over, so the dead run's effects are
+    undone before the key runs again.
+    """
+
+
+class RollbackFailed(CrawlError):
+    """A dead run's effects could not be rolled back, so the key is not run again over them."""
 
 
 class ReplayError(CrawlError):

@@ -11,11 +11,12 @@ the result backend's Redis (``celery_crawl.backends.ledger``), which must be
 ``AuditedRedisBackend``.
 
 Rollback: ``rollback(self, exc, task_id, args, kwargs)`` completes at most once per
-(key, claim token), after a final failure (not on retries) or when the run was fenced (a newer
-run took the key over while this one was frozen). A failing rollback is retried with backoff in
-process; a killed one is finished by the next delivery of the task. Rollbacks must therefore be
-idempotent. The outcome (``ROLLED_BACK`` / ``ROLLBACK_FAILED``) is stored in the result meta
-(``crawl_rollback``) and in the audit record.
+(key, claim token), after a final failure (not on retries), when the run was fenced (a newer
+run took the key over while this one was frozen), or, for a run that died unfinished, by the
+run that takes its key over, before that run starts (``exc`` is ``AbandonedRun``). A failing
+rollback is retried with backoff in process; a killed one is finished by the next delivery of
+the task. Rollbacks must therefore be idempotent. The outcome (``ROLLED_BACK`` /
+``ROLLBACK_FAILED``) is stored in the result meta (``crawl_rollback``) and in the audit record.
 
 Deadlines: a task may carry an absolute UTC deadline (``deadline=`` call option on
 ``IdempotentTask``, the ``crawl_deadline`` message header on any task, or inherited from the task
@@ -42,7 +43,15 @@ from celery.signals import before_task_publish
 
 from .backends.audited import AuditedRedisBackend, _claim_token, parse_token
 from .backends.ledger import Heartbeat, KeyLedger
-from .errors import ConfigError, CrawlError, FencedError, PoisonMessage, ReplayError
+from .errors import (
+    AbandonedRun,
+    ConfigError,
+    CrawlError,
+    FencedError,
+    PoisonMessage,
+    ReplayError,
+    RollbackFailed,
+)
 from .worker import finishing
 
 __all__ = [
@@ -221,10 +230,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def rollback(self, exc: BaseException, task_id: str, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> None:
-        """Undo this run's side effects. Must be idempotent: a killed rollback is run again.
+        """Undo a run's side effects. Must be idempotent: a killed rollback is run again.
 
-        Called after a final failure (not on retries) or when the run was fenced. The default
-        does nothing and is not recorded.
+        Called after a final failure (not on retries), when the run was fenced, and before a
+        run that takes the key over from a run that died unfinished (``exc`` is then
+        ``AbandonedRun``): at most once per (key, claim token). The token of the run whose
+        effects are undone is ``self.request.crawl_rollback_token`` (None without the worker
+        plugin); ``self.request.crawl_claim_token`` is the token of the run calling it. The
+        default does nothing and is not recorded.
         """
 
     # -- calling --------------------------------------------------------------------------------
@@ -301,6 +314,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         heartbeat = Heartbeat(ledger, run_id).start()
         try:
+            if decision.extra == "takeover":
+                self._undo_abandoned(ledger, run_id, decision, args, kwargs)
             try:
                 result = self.run(*args, **kwargs)
             except (Retry, Ignore, Reject):
@@ -325,6 +340,35 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return result
         finally:
             heartbeat.stop()
+
+    def _undo_abandoned(self, ledger: KeyLedger, run_id: str, decision: Any,
+                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Roll back a dead run's effects before this run redoes them (once per its token).
+
+        A worker killed after the body's external write but before the result was stored
+        leaves an effect the next delivery would repeat; rolling it back first keeps the key's
+        effect single. If that rollback fails, the body does not run over what is left.
+        """
+        if not self._has_rollback():
+            return
+        request = self.request
+        for dead in decision.abandoned:
+            abandoned = AbandonedRun(
+                f"task {decision.task_id}: the run holding idempotency key {ledger.key!r} "
+                f"under claim token {dead or '(none)'} stopped before it finished; task "
+                f"{request.id} takes the key over")
+            outcome = self._roll_back(ledger, run_id, dead, abandoned, args, kwargs,
+                                      final=False)
+            logger.warning("task %s: took idempotency key %r over from a run (claim token %s) "
+                           "that died unfinished; its rollback: %s", request.id, ledger.key,
+                           dead or "(none)", outcome)
+            if outcome == ROLLBACK_FAILED:
+                request.crawl_rollback = outcome
+                raise RollbackFailed(
+                    f"task {request.id}: the effects of the abandoned run (claim token "
+                    f"{dead or '(none)'}) of idempotency key {ledger.key!r} could not be "
+                    f"rolled back after {self.rollback_max_attempts} attempts; not running "
+                    "again over them") from abandoned
 
     def _not_run(self, decision: Any, ledger: KeyLedger, run_id: str,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -398,6 +442,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return ROLLED_BACK
         delay = self.rollback_backoff_s
         task_id = str(self.request.id)
+        # Which run's effects to undo: this run's own, or a dead run's (takeover, or a
+        # final-failure rollback it left pending). A rollback that can tell its writes apart
+        # by token undoes only those.
+        self.request.crawl_rollback_token = parse_token(token) if token else None
         for attempt in range(1, max(1, self.rollback_max_attempts) + 1):
             try:
                 self.rollback(exc, task_id, args, kwargs)

@@ -6,9 +6,12 @@
 --       7 force ('1': treat a live owner as dead; for a poisoned task the worker gave up on)
 -- Record fields: task, token, owner, hb (server ms until which the owner counts as alive),
 --   rbp (token whose final-failure rollback is pending), exc (that failure, JSON),
---   fin (outcome of that rollback: done | failed), rb:<token> (pending | done | failed).
--- Returns {decision, task id of the record, extra}:
---   run            no live run: this run now owns the key
+--   fin (outcome of that rollback: done | failed), rb:<token> (pending | done | failed),
+--   owed (claim tokens of dead runs whose takeover rollback is not done yet, each + ';').
+-- Returns {decision, task id of the record, extra[, token]}:
+--   run            no live run: this run now owns the key; extra 'takeover' (with the claim
+--                  tokens, ';'-separated, oldest first) when it takes the key from a run that
+--                  stopped beating before it finished and whose effects were not rolled back
 --   rollback       a final-failure rollback was left unfinished by a dead run: finish it (extra: exc)
 --   finished       the owning task reached a ready state: replay it
 --   finished-rb    the owning task failed and rolled back (extra: fin) but may not have stored it
@@ -34,11 +37,11 @@ local function raise_floor()
   if keep_s > 0 and redis.call('TTL', fkey) == -1 then redis.call('EXPIRE', fkey, keep_s) end
 end
 
-local function take(decision, extra)
+local function take(decision, extra, xtoken)
   redis.call('HSET', ekey, 'task', task, 'token', token, 'owner', owner, 'hb', now + hb_ms)
   if keep_s > 0 then redis.call('EXPIRE', ekey, keep_s) end
   raise_floor()
-  return {decision, task, extra}
+  return {decision, task, extra, xtoken or ''}
 end
 
 local e = redis.call('HMGET', ekey, 'task', 'token', 'owner', 'hb', 'rbp', 'exc', 'fin')
@@ -65,6 +68,19 @@ if not alive or newer then
     if task == etask then raise_floor() end
     return {'rollback', etask, exc, rbp}
   end
+  -- The dead run may have left effects (killed after a write, before its result): the run
+  -- taking over undoes them first, once per token, or they would stick twice. Tokens still
+  -- owed a rollback (a taking-over run that died before finishing it) stay on the list.
+  local owed, seen, out = {}, {}, {}
+  for tok in string.gmatch((redis.call('HGET', ekey, 'owed') or '') .. etoken .. ';', '([^;]*);') do
+    if not seen[tok] and redis.call('HGET', ekey, 'rb:' .. tok) ~= 'done' then
+      seen[tok] = true
+      owed[#owed + 1] = tok
+      out[#out + 1] = tok .. ';'
+    end
+  end
+  redis.call('HSET', ekey, 'owed', table.concat(out))
+  if #owed > 0 then return take('run', 'takeover', table.concat(owed, ';')) end
   return take('run', '')
 end
 if task == etask then return {'duplicate', etask, ''} end

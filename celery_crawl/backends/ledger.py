@@ -31,8 +31,11 @@ class Decision:
         kind: ``run``, ``rollback``, ``finished``, ``finished-rb``, ``duplicate`` or ``busy``.
         task_id: the task id the key's record belongs to.
         extra: ``rollback``/``finished-rb``: the stored failure (JSON); ``finished``: the
-            final rollback outcome if any.
+            final rollback outcome if any; ``run``: ``takeover`` when the key was taken from a
+            run that died unfinished and was not rolled back.
         rollback_token: ``rollback``: the claim token whose rollback is pending ("" = none).
+        abandoned: ``run`` with ``takeover``: the claim tokens of dead runs whose effects
+            are to be rolled back before this run starts, oldest first.
         rollback_status: ``finished-rb``: ``done`` or ``failed``.
     """
 
@@ -40,6 +43,7 @@ class Decision:
     task_id: str
     extra: str = ""
     rollback_token: str = ""
+    abandoned: tuple[str, ...] = ()
     rollback_status: str = ""
 
 
@@ -78,6 +82,9 @@ class KeyLedger:
         kind, owner_task = parts[0], parts[1]
         if kind == "rollback":
             return Decision(kind, owner_task, extra=parts[2], rollback_token=parts[3])
+        if kind == "run" and parts[2] == "takeover":
+            return Decision(kind, owner_task, extra=parts[2],
+                            abandoned=tuple(parts[3].split(";")))
         if kind == "finished-rb":
             return Decision(kind, owner_task, extra=parts[3], rollback_status=parts[2])
         return Decision(kind, owner_task, extra=parts[2])

@@ -71,6 +71,34 @@ def test_a_newer_claim_token_or_a_silent_owner_takes_the_key_over(app) -> None:
                what="heartbeat expiry hands the key over")
 
 
+def test_a_takeover_names_the_dead_runs_to_roll_back_until_their_rollback_is_done(app) -> None:
+    """The run taking a key from a dead, unfinished run is told that run's token (its effects
+    may stick), and the tokens of earlier dead runs whose rollback never completed; not for a
+    fresh key, and not once a token's rollback is done."""
+    led = ledger(app, ttl_s=0.3)
+    fresh = led.begin(ids["t1"], "5", "a")
+    assert (fresh.kind, fresh.extra, fresh.abandoned) == ("run", "", ())
+    taken = led.begin(ids["t1"], "6", "b")  # a newer claim: run "a" died
+    assert (taken.kind, taken.extra, taken.abandoned) == ("run", "takeover", ("5",))
+    assert led.rollback_begin("b", "5", final=False, failure="{}") == "go"
+    # "b" is killed mid-rollback: the next run owes both (a killed rollback is retried)
+    again = led.begin(ids["t1"], "7", "c")
+    assert again.abandoned == ("5", "6")
+    for tok in again.abandoned:
+        assert led.rollback_begin("c", tok, final=False, failure="{}") == "go"
+        led.rollback_end("c", tok, final=False, status="done")
+    assert led.rollback_begin("c", "5", final=False, failure="{}") == "done"
+    # "c" dies after those rollbacks, its own effects unknown: only "c" is named next.
+    third = led.begin(ids["t1"], "8", "d")
+    assert third.abandoned == ("7",)
+    led.rollback_end("d", "7", final=False, status="done")
+    led.rollback_end("d", "8", final=False, status="done")  # "d" was fenced and undid itself
+    # A silent owner whose rollback is done: a plain run, even for another task id.
+    wait_until(lambda: led.begin(ids["t2"], "", "e").kind == "run", 10,
+               what="heartbeat expiry hands the key over")
+    assert (led.record()["token"], led.record()["owed"]) == ("", "")
+
+
 def test_finished_once_the_owner_stored_a_ready_state(app) -> None:
     led = ledger(app)
     assert led.begin(ids["t-done"], "", "a").kind == "run"

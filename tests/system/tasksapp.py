@@ -74,6 +74,9 @@ def total(values: list[int]) -> int:
 class Recorded(IdempotentTask):  # type: ignore[misc]
     """Records every rollback as ``rollbacks:<name>`` in db 2.
 
+    ``events:<name>`` orders runs of ``slow`` (``run:<claim token>``) and completed rollbacks
+    (``rollback:<exception class>:<token rolled back>``).
+
     Every attempt is recorded in ``rollback-start:<name>`` (task id) and ``rollback-at:<name>``
     (``time.monotonic()``, system-wide on Linux). Hooks set by a test: ``rollback-hang:<name>``
     hangs the first attempt, ``rollback-fails:<name>`` = N fails the first N attempts.
@@ -92,6 +95,8 @@ class Recorded(IdempotentTask):  # type: ignore[misc]
         if r.incr(f"rollback-fail:{name}") <= int(r.get(f"rollback-fails:{name}") or 0):
             raise RuntimeError("rollback failed on purpose")
         r.rpush(f"rollbacks:{name}", task_id)
+        r.rpush(f"events:{name}", f"rollback:{type(exc).__name__}:"
+                f"{getattr(self.request, 'crawl_rollback_token', None)}")
 
 
 @app.task(bind=True, base=Recorded)
@@ -110,6 +115,7 @@ def slow(self, name: str, seconds: float, fail: bool = False, gated: bool = Fals
     records its start."""
     r = side()
     r.rpush(f"runs:{name}", self.request.id)
+    r.rpush(f"events:{name}", f"run:{getattr(self.request, 'crawl_claim_token', None)}")
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not (gated and r.exists(f"gate:{name}")):
         time.sleep(0.05)

@@ -112,18 +112,22 @@ def test_ledger_classifies_every_slot() -> None:
 
     starts = [rec(1, "w0", 10, 1.1), rec(2, "w0", 11, 2.1), rec(2, "w1", 12, 6.0),
               rec(5, "w0", 13, 5.1)]
-    done = [rec(1, "w0", 10, 1.3), rec(2, "w0", 11, 4.0), rec(2, "w1", 12, 6.5),
-            rec(5, "w0", 13, 5.3)]
+    # slot 1 was first written by a run (token 9) that died before its result; the run that
+    # took the key over (token 10) undid that write, then wrote its own.
+    done = [rec(1, "w1", 9, 1.2), rec(1, "w0", 10, 1.3), rec(2, "w0", 11, 4.0),
+            rec(2, "w1", 12, 6.5), rec(5, "w0", 13, 5.3)]
+    undone = [{"entry": "e", "slot": iso(1), "claim_token": 9, "by_token": 10}]
     summary = account(
         store="redis", seed=1, window=(base + 1, base + 5),
         due_slots={"e": [base + i for i in range(1, 6)]},
-        starts=starts, done=done, fenced=[],
+        starts=starts, done=done, fenced=[], undone=undone,
         skips=[SkipSpan("e", base + 3, base + 3, 1, "missed"),
                SkipSpan("e", base + 5, base + 5, 1, "superseded")],
         faults=[Fault("worker_kill9", "w0", base + 2.5, worker_host="w0")],
         beat_exits=0, audit=(True, "clean"))
     assert summary.due == 5
     assert summary.run_once == 2  # slot 1, and slot 5 (which is also, wrongly, recorded skipped)
+    assert summary.undone == 1
     assert [d.split(" ")[0] for d in summary.duplicates] == [f"e@{iso(2)[11:19]}"]
     assert summary.skipped == {"missed": 1}
     assert [u.split(" ")[0] for u in summary.unaccounted] == [f"e@{iso(4)[11:19]}"]

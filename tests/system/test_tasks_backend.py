@@ -269,9 +269,49 @@ def test_worker_plugin_tokens_and_poison_rollback(stack, tmp_path: Path) -> None
         worker.stop()
 
 
+@pytest.mark.parametrize("plugin", [False, True], ids=["visibility-timeout", "worker-plugin"])
+def test_a_run_killed_after_its_effect_is_rolled_back_before_the_key_runs_again(
+        stack, tmp_path: Path, plugin: bool) -> None:
+    """kill -9 while the body runs (its effect, ``runs:<name>``, already written): the
+    delivery that takes the key over first rolls the dead run back (once, with AbandonedRun
+    and the dead run's claim token), then runs the body and stores SUCCESS."""
+    server, _ = stack
+    name = _name()
+    task_id = str(uuid.uuid4())
+    queue = f"abandon-{name}"
+    victim = _start_worker(server.port, tmp_path, "victim", concurrency=1, queues=queue,
+                           plugin=plugin)
+    rescuer: Proc | None = None
+    try:
+        result = tasksapp.slow.apply_async((name, 60.0, False, True), task_id=task_id,
+                                           queue=queue)
+        wait_until(lambda: _list(server, f"runs:{name}"), TIMEOUT_S,
+                   what=f"run started\n{victim.log()}")
+        victim.kill9()
+        _side(server).set(f"gate:{name}", 1)  # the next run may finish at once
+        rescuer = _start_worker(server.port, tmp_path, "rescuer", concurrency=1, queues=queue,
+                                plugin=plugin)
+        assert result.get(timeout=TIMEOUT_S) == f"done:{name}"
+        events = _list(server, f"events:{name}")
+        first_token = events[0].split(":", 1)[1]
+        assert [e.split(":")[0] for e in events] == ["run", "rollback", "run"], events
+        assert events[1] == f"rollback:AbandonedRun:{first_token}", events
+        assert _list(server, f"rollbacks:{name}") == [task_id]
+        if plugin:  # the rescuing run carried a newer claim token than the one it undid
+            assert int(events[2].split(":")[1]) > int(first_token), events
+        meta = tasksapp.app.backend.get_task_meta(task_id, cache=False)
+        assert meta["status"] == "SUCCESS" and not meta.get("crawl_rollback")
+        assert verify(tasksapp.app.backend).clean
+    finally:
+        victim.stop()
+        if rescuer is not None:
+            rescuer.stop()
+
+
 def test_a_frozen_run_is_fenced_and_rolls_back_its_own_effects(stack, tmp_path: Path) -> None:
-    """SIGSTOP a worker mid-task; another worker takes the key over and stores SUCCESS; the
-    frozen run, resumed, finds itself fenced: it rolls back and its late write is refused."""
+    """SIGSTOP a worker mid-task; another worker takes the key over, rolls the frozen run's
+    effects back first (once) and stores SUCCESS; the frozen run, resumed, finds itself fenced:
+    its rollback is already done, so it does not run again, and its late write is refused."""
     server, _ = stack
     name = _name()
     task_id = str(uuid.uuid4())
@@ -296,12 +336,13 @@ def test_a_frozen_run_is_fenced_and_rolls_back_its_own_effects(stack, tmp_path: 
         rescuer = _start_worker(server.port, tmp_path, "rescuer", concurrency=1, queues=queue)
         assert result.get(timeout=TIMEOUT_S) == f"done:{name}"
         assert len(_list(server, f"runs:{name}")) == 2
+        events = _list(server, f"events:{name}")
+        assert [e.split(":")[0] for e in events] == ["run", "rollback", "run"], events
+        assert events[1].startswith("rollback:AbandonedRun:"), events
         victim.signal_group(signal.SIGCONT)
-        wait_until(lambda: _list(server, f"rollbacks:{name}"), TIMEOUT_S,
-                   what=f"the fenced run's rollback\n{victim.log()}")
-        assert _list(server, f"rollbacks:{name}") == [task_id]
         wait_until(lambda: history(backend, task_id)[-1].state == "FAILURE", TIMEOUT_S,
-                   what="the fenced run's write")
+                   what=f"the fenced run's write\n{victim.log()}")
+        assert _list(server, f"rollbacks:{name}") == [task_id]  # not again by the stale run
         last = history(backend, task_id)[-1]
         assert (last.outcome, last.rollback) == ("refused-stale", ROLLED_BACK)
         assert backend.get_task_meta(task_id, cache=False)["result"] == f"done:{name}"

@@ -5,9 +5,12 @@ Inputs are plain data gathered by the driver: the recorder's start / accepted / 
 and the process-exit count. Nothing here talks to a server, so the rules are easy to read:
 
 * a slot is **due** when ``window_start <= slot <= window_end`` by the entry's own ``TzCron``;
-* **run once**: exactly one accepted completion for ``(entry, slot)``;
+* an accepted completion is **undone** when a rollback recorded later names its slot and claim
+  token (the run that took the key over from a worker killed after the write undid it);
+* **run once**: exactly one accepted completion for ``(entry, slot)`` that was not undone;
 * **skipped**: no accepted completion, and a beat skip range covers the slot (its reason counts);
-* **duplicate**: more than one accepted completion (two runs whose effects both stuck);
+* **duplicate**: more than one accepted completion not undone (two runs whose effects both
+  stuck);
 * **contradiction**: run once *and* recorded as skipped (the run counts; the skip record is
   wrong: reported, not a failure of the run-once claim);
 * **unaccounted**: neither run nor skipped.
@@ -85,6 +88,7 @@ class Summary:
     contradictions: list[str] = dataclasses.field(default_factory=list)
     unaccounted: list[str] = dataclasses.field(default_factory=list)
     fenced: int = 0
+    undone: int = 0
     restarted_runs: int = 0
     beat_exits: int = 0
     worker_exits: int = 0
@@ -130,6 +134,8 @@ class Summary:
             + _few(self.contradictions),
             f"  unaccounted         {len(self.unaccounted)}" + _few(self.unaccounted),
             f"  fenced stale writes {self.fenced}",
+            f"  writes rolled back  {self.undone} (an abandoned run's write, undone by the run "
+            "that took its key over)",
             f"  runs restarted      {self.restarted_runs} (started again after a worker fault)",
             f"  beat process exits  {self.beat_exits}",
             f"  worker exits        {self.worker_exits} (not stopped by the soak; restarted)",
@@ -162,6 +168,7 @@ def account(
     faults: Sequence[Fault],
     beat_exits: int,
     audit: tuple[bool, str] | None,
+    undone: Sequence[Mapping[str, Any]] = (),
     worker_exits: int = 0,
     stuck_task_ids: Sequence[str] = (),
     namespace: str | None = None,
@@ -174,11 +181,17 @@ def account(
     summary.faults.update(f.kind for f in faults)
     summary.fenced = len(fenced)
 
+    voided = {(u.get("entry"), parse_slot(u.get("slot")), _int(u.get("claim_token")))
+              for u in undone}
     accepted: dict[tuple[str, float], list[Mapping[str, Any]]] = collections.defaultdict(list)
     for rec in done:
         slot = parse_slot(rec.get("slot"))
-        if slot is not None:
-            accepted[(rec["entry"], slot)].append(rec)
+        if slot is None:
+            continue
+        if (rec["entry"], slot, _int(rec.get("claim_token"))) in voided:
+            summary.undone += 1
+            continue
+        accepted[(rec["entry"], slot)].append(rec)
     started: dict[tuple[str, float], set[str]] = collections.defaultdict(set)
     start_recs: dict[tuple[str, float], list[Mapping[str, Any]]] = collections.defaultdict(list)
     for rec in starts:

@@ -11,6 +11,11 @@ The task ``record`` stamps its external write with the claim token the worker st
 way a real crawler should stamp its output: the sink accepts a write for ``(entry, slot)`` only
 if its token is not older than the newest accepted one. Every start and every accepted or
 refused completion is appended to a list in the sink, so the ledger sees all of it.
+
+Its ``rollback`` undoes the write of the run it is called for (``crawl_rollback_token``): the
+run that takes a key over from a worker killed after the write but before the result undoes
+that write first, and raises the slot's token floor to its own token so the dead run, were it
+only frozen, cannot write again. The undo is an append to ``soak:undone``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from celery import Celery
 SINK_STARTS = "soak:starts"
 SINK_DONE = "soak:done"
 SINK_FENCED = "soak:fenced"
+SINK_UNDONE = "soak:undone"
 _TOKEN_KEY = "soak:token:{entry}|{slot}"
 
 # A run registers its token when it starts (the newest token wins), and its final write is
@@ -46,6 +52,15 @@ if tok < cur then
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[2])
+return 1
+"""
+
+# Undo the write of one token: raise the floor to the calling run's token first, then record
+# the undo (the ledger voids accepted writes of that token for that slot).
+_UNDO = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
+if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1]) end
 redis.call('RPUSH', KEYS[2], ARGV[2])
 return 1
 """
@@ -119,7 +134,23 @@ def _claim_token(task: Any) -> int | None:
     return int(token) if isinstance(token, int | str) and str(token).isdigit() else None
 
 
-@app.task(bind=True, base=_Base, name="soak.record", acks_late=True)
+class _Recorder(_Base):  # type: ignore[misc,valid-type]
+    def rollback(self, exc: BaseException, task_id: str, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        req = self.request
+        entry = getattr(req, "crawl_entry", None) or (args[0] if args else None)
+        slot = getattr(req, "crawl_slot", None)
+        undone = getattr(req, "crawl_rollback_token", None)
+        own = _claim_token(self)
+        key = _TOKEN_KEY.format(entry=entry, slot=slot)
+        sink().eval(_UNDO, 2, key, SINK_UNDONE, -1 if own is None else own,
+                    json.dumps({"task_id": req.id, "entry": entry, "slot": slot,
+                                "claim_token": undone, "by_token": own,
+                                "reason": type(exc).__name__, "worker": req.hostname,
+                                "t": time.time()}))
+
+
+@app.task(bind=True, base=_Recorder, name="soak.record", acks_late=True)
 def record(self: Any, entry: str, duration_s: float = 0.0) -> dict[str, Any]:
     """One scheduled run: note its start, work for ``duration_s``, write the fenced result."""
     req = self.request

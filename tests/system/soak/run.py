@@ -37,7 +37,7 @@ from tests.servers import wait_until
 
 from .faults import FaultInjector, LeaderMonitor
 from .ledger import SkipSpan, Summary, account, parse_slot
-from .recorder import SINK_DONE, SINK_FENCED, SINK_STARTS
+from .recorder import SINK_DONE, SINK_FENCED, SINK_STARTS, SINK_UNDONE
 from .stack import ENTRIES, Stack, now
 
 __all__ = ["missing_pieces", "run_soak"]
@@ -143,7 +143,7 @@ def _postmortem(stack: Stack, skips: SkipCollector, faults: list[Any],
     """Everything the accounting used, as JSON beside the logs, to read a failed run."""
     data = {
         "starts": _read(stack, SINK_STARTS), "done": _read(stack, SINK_DONE),
-        "fenced": _read(stack, SINK_FENCED),
+        "fenced": _read(stack, SINK_FENCED), "undone": _read(stack, SINK_UNDONE),
         "skips": [vars(s) for s in skips.spans],
         "faults": [vars(f) for f in faults],
         "leader_samples": [vars(x) for x in monitor.samples],
@@ -205,7 +205,8 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
                 stuck = []
             return account(store=store, seed=seed, window=window, due_slots=slots,
                            starts=_read(stack, SINK_STARTS), done=_read(stack, SINK_DONE),
-                           fenced=_read(stack, SINK_FENCED), skips=skips.spans, faults=faults,
+                           fenced=_read(stack, SINK_FENCED), undone=_read(stack, SINK_UNDONE),
+                           skips=skips.spans, faults=faults,
                            beat_exits=stack.beat_exits(), audit=audit,
                            worker_exits=len(stack.unexpected_exits) - stack.beat_exits(),
                            stuck_task_ids=stuck, namespace=stack.namespace)
