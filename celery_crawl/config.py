@@ -35,6 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "crawl_redis_wait_replicas": 0,
     "crawl_audit_maxlen": 1_000_000,
     "crawl_store_timeout": 2.0,
+    "crawl_beat_verify_delivery": 0.0,
 }
 
 _MIN_TTL_S = 0.5
@@ -67,6 +68,7 @@ class CrawlConfig:
     redis_wait_replicas: int
     audit_maxlen: int
     store_timeout_s: float
+    beat_verify_delivery_s: float = 0.0
 
     @classmethod
     def from_app(cls, app: Any) -> CrawlConfig:
@@ -154,6 +156,11 @@ class CrawlConfig:
                     f"crawl_store_timeout: {timeout:g}s is not shorter than {name} ({ttl:g}s): "
                     "one hung renewal would outlast the lease; lower the timeout or raise "
                     "the ttl")
+        verify = _dur("crawl_beat_verify_delivery", v["crawl_beat_verify_delivery"])
+        if 0 < verify < 1:
+            raise ConfigError(
+                f"crawl_beat_verify_delivery: {verify:g}s is too short (0 = off, else >= 1s): "
+                "a run must have time to reach a worker before it is looked for")
         return cls(
             lease_url=url, namespace=namespace, beat_lease_ttl_s=beat_ttl,
             worker_lease_ttl_s=worker_ttl, reaper_interval_s=reaper_s, max_clock_skew_s=skew,
@@ -161,6 +168,7 @@ class CrawlConfig:
             on_lease_loss=on_loss,
             max_deliveries=max_del, done_ttl_s=done_ttl, min_memory_bytes=min_mem_b,
             redis_wait_replicas=replicas, audit_maxlen=maxlen, store_timeout_s=timeout,
+            beat_verify_delivery_s=verify,
         )
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "BEAT_DISPATCH_LAG",
     "BEAT_FAILOVERS",
     "BEAT_IS_LEADER",
+    "BEAT_RESENT",
     "BEAT_SKIPPED",
     "LEASE_RENEWALS",
     "LEASE_TIME_LEFT",
@@ -42,6 +43,8 @@ BEAT_DISPATCH_LAG = Histogram(
     "crawl_beat_dispatch_lag_seconds", "Publish time minus nominal slot",
     buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
+BEAT_RESENT = Counter("crawl_beat_resent_total",
+                      "Runs published again after the delivery check found them nowhere")
 BEAT_SKIPPED = Counter("crawl_beat_skipped_slots_total", "Slots not run, by reason", ["reason"])
 WORKER_CLAIMS = Gauge("crawl_worker_claims", "Task claims held by this worker")
 WORKER_RECOVERIES = Counter(

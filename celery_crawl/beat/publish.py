@@ -134,6 +134,12 @@ class Publisher:
                 log.info("beat: entry %r: publish attempt failed after %.2fs: %s",
                          entry.name, took, exc)
 
+    def queue_names(self, entry: BeatEntry) -> list[str]:
+        """The broker queue an entry's runs are routed to (the app's default if none)."""
+        queue = self._prepare(entry).routed.get("queue")
+        name = getattr(queue, "name", queue) or self.app.conf.task_default_queue
+        return [str(name)]
+
     def forget(self, names: set[str]) -> None:
         """Drop cached preparations of entries that no longer exist."""
         for name in names:

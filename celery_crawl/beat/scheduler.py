@@ -48,7 +48,8 @@ from .election import Action, Election
 from .entries import BeatEntry, from_beat_schedule, from_spec
 from .publish import Publisher
 from .slots import SkipRange, iter_slots, plan
-from .state import EntryState, SkipLog, format_slot
+from .state import EntryState, Sent, SkipLog, format_slot, parse_slot
+from .verify import DeliveryCheck
 
 __all__ = ["LeasedScheduler"]
 
@@ -69,6 +70,8 @@ FLUSH_EVERY = 256
 BUFFER_RECHECK_S = 1.0
 #: Presence records live this many TTLs after the last write.
 PRESENCE_TTLS = 3
+#: How often the leader runs the delivery check (``crawl_beat_verify_delivery``).
+VERIFY_POLL_S = 1.0
 
 
 class LeasedScheduler(Scheduler):
@@ -105,6 +108,8 @@ class LeasedScheduler(Scheduler):
         self._last_block_log = 0.0
         self._flush_failed = False
         self._closed = False
+        self._verify: DeliveryCheck | None = None
+        self._next_verify = 0.0
         self._started = format_slot(datetime.now(UTC).replace(microsecond=0))
         super().__init__(app, *args, **kwargs)
 
@@ -118,10 +123,32 @@ class LeasedScheduler(Scheduler):
         self._store = store_for(self.config)
         self._clock = Clock(self._reference())
         self._check_store_fitness()
+        self._setup_verify()
         self._reload(force=True)
         log.info("beat replica %s standing by (lease %s, ttl %.1fs, %d entries)",
                  self.replica_id, self._store.url, self.config.beat_lease_ttl_s,
                  len(self.entries))
+
+    def _setup_verify(self) -> None:
+        after = self.config.beat_verify_delivery_s
+        if not after:
+            return
+        from ..worker.broker import broker_ops
+
+        broker = broker_ops(self.app, timeout_s=self.config.store_timeout_s)
+        if broker.kind != "redis":
+            log.info("beat: crawl_beat_verify_delivery is off: the %s broker keeps unacked "
+                     "messages itself", broker.kind)
+            return
+        assert self._store is not None
+
+        def queues_of(name: str) -> list[str]:
+            entry = self.entries.get(name)
+            return self._publisher.queue_names(entry) if entry is not None else []
+
+        self._verify = DeliveryCheck(self._store, broker, after, queues_of)
+        log.info("beat: runs not seen at a worker %gs after publishing are looked for in the "
+                 "broker and published again if lost", after)
 
     @property
     def info(self) -> str:
@@ -168,6 +195,9 @@ class LeasedScheduler(Scheduler):
         finally:
             self.election.demote()
             metrics.BEAT_IS_LEADER.set(0)
+            if self._verify is not None:
+                with contextlib.suppress(Exception):  # its broker connection only
+                    self._verify.broker.close()
             if store is not None:
                 store.close()
             super().close()
@@ -517,6 +547,42 @@ class LeasedScheduler(Scheduler):
                 return
         if self.election.is_leader:
             self._dispatch_due()
+        if self._verify is not None and self.election.is_leader and now_m >= self._next_verify:
+            self._next_verify = now_m + VERIFY_POLL_S
+            self._check_deliveries()
+
+    def _check_deliveries(self) -> None:
+        assert self._verify is not None
+        try:
+            changed = self._verify.step(self.states, self._resend, self._give_up)
+        except CrawlError as exc:
+            log.warning("beat: delivery check failed, trying again: %s", exc)
+            return
+        for name in changed:
+            self._queue_state(name)
+        self._flush()
+
+    def _resend(self, name: str, sent: Sent) -> bool:
+        entry, lease = self.entries.get(name), self.election.lease
+        if entry is None or lease is None or not self.election.may_publish():
+            return False
+        try:
+            self._publisher.publish(entry, parse_slot(sent.slot), token=lease.token,
+                                    remaining_s=self.election.remaining_s(),
+                                    producer=self.producer, manual=sent.manual)
+        except Exception as exc:  # kombu raises many types; the next check tries again
+            log.error("beat: entry %r: publishing %s again failed: %s", name, sent.task_id, exc)
+            return False
+        return True
+
+    def _give_up(self, name: str, sent: Sent) -> None:
+        st = self.states.get(name)
+        if st is None or sent.manual:
+            return
+        slot = parse_slot(sent.slot)
+        self._skiplog(name).add(SkipRange(slot, slot, 1, "lost"), contiguous=False)
+        self._pending[keys.beat_skips(name)] = self._skiplog(name).to_record()
+        metrics.BEAT_SKIPPED.labels("lost").inc()
 
     def _dispatch_due(self) -> None:
         peek = self._due.peek()
@@ -678,6 +744,8 @@ class LeasedScheduler(Scheduler):
                 self._record_skip(entry.name, st, SkipRange(slot, slot, 1, "publish_failed"))
             return None
         st.run_count += 1
+        if self._verify is not None:
+            self._verify.track(st, task_id, format_slot(slot), manual)
         st.last_task_id = task_id
         st.last_run_slot = slot
         if not manual and (st.last_slot is None or slot > st.last_slot):
@@ -821,6 +889,8 @@ class LeasedScheduler(Scheduler):
                 s = min(s, (peek[1] - datetime.now(UTC)).total_seconds())
             if self._flush_failed:
                 s = min(s, 0.2)
+            if self._verify is not None:
+                s = min(s, self._next_verify - now_m)
         return max(0.0, s)
 
     def _describe_next(self) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import StoreDataError
 from .slots import SkipRange
 
-__all__ = ["MAX_SKIP_RANGES", "EntryState", "SkipLog", "format_slot", "parse_slot"]
+__all__ = ["MAX_SKIP_RANGES", "EntryState", "Sent", "SkipLog", "format_slot", "parse_slot"]
 
 #: Ranges kept per entry; older ones are folded into the per-reason totals.
 MAX_SKIP_RANGES = 100
@@ -47,6 +47,35 @@ def parse_slot(text: str, *, key: str = "") -> datetime:
 
 
 @dataclasses.dataclass(slots=True)
+class Sent:
+    """A published run not yet seen at a worker (``crawl_beat_verify_delivery``).
+
+    Attributes:
+        task_id: the run's task id.
+        slot: its slot as published (``crawl_slot``; manual runs: the trigger instant).
+        manual: published by ``trigger``/``backfill``.
+        check_at: when to look for it next (epoch seconds: the next leader reads it too).
+        resent: how many times it was published again after being found nowhere.
+    """
+
+    task_id: str
+    slot: str
+    manual: bool
+    check_at: float
+    resent: int = 0
+
+    def to_record(self) -> list[Any]:
+        return [self.task_id, self.slot, self.manual, round(self.check_at, 3), self.resent]
+
+    @classmethod
+    def from_record(cls, value: Any) -> Sent:
+        task_id, slot, manual, check_at, resent = value
+        if not isinstance(task_id, str) or not isinstance(slot, str):
+            raise TypeError("unverified: task id and slot must be strings")
+        return cls(task_id, slot, bool(manual), float(check_at), int(resent))
+
+
+@dataclasses.dataclass(slots=True)
 class EntryState:
     """Where one entry stands.
 
@@ -60,6 +89,8 @@ class EntryState:
         paused: operator override (``celery crawl pause|resume``); None follows the definition.
         buffered_slot: a slot held back by ``overlap = "buffer_one"`` until the previous run ends.
         token: leader token of the last write (informational; the store fences on its own).
+        unverified: published runs not yet seen at a worker (only with
+            ``crawl_beat_verify_delivery``), kept here so a new leader goes on checking them.
     """
 
     fingerprint: str
@@ -70,9 +101,10 @@ class EntryState:
     paused: bool | None = None
     buffered_slot: datetime | None = None
     token: int | None = None
+    unverified: list[Sent] = dataclasses.field(default_factory=list)
 
     def to_record(self) -> dict[str, Any]:
-        return {
+        record: dict[str, Any] = {
             "fingerprint": self.fingerprint,
             "last_slot": format_slot(self.last_slot) if self.last_slot else None,
             "run_count": self.run_count,
@@ -82,6 +114,9 @@ class EntryState:
             "buffered_slot": format_slot(self.buffered_slot) if self.buffered_slot else None,
             "token": self.token,
         }
+        if self.unverified:
+            record["unverified"] = [u.to_record() for u in self.unverified]
+        return record
 
     @classmethod
     def from_record(cls, record: dict[str, Any], *, key: str = "") -> EntryState:
@@ -96,6 +131,7 @@ class EntryState:
                 paused=_opt(record.get("paused"), bool, "paused"),
                 buffered_slot=_opt_slot(record.get("buffered_slot"), key),
                 token=_opt(record.get("token"), int, "token"),
+                unverified=[Sent.from_record(u) for u in record.get("unverified") or ()],
             )
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             raise StoreDataError(f"{key}: not an entry state record ({exc})") from exc

@@ -1,4 +1,5 @@
-"""What the lease machinery needs from the broker: redeliver exact tags, keep own tags fresh.
+"""What the lease machinery needs from the broker: redeliver exact tags, keep own tags fresh,
+and (for the beat's delivery check) tell whether a task still waits in its queue.
 
 Redis broker (kombu's virtual transport): an unacked message lives in the ``unacked`` hash and the
 ``unacked_index`` zset (score = delivery time) until acked. A dead worker's messages would wait
@@ -17,6 +18,7 @@ after the heartbeat timeout after a freeze), so both operations are no-ops there
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -43,6 +45,10 @@ class BrokerOps(Protocol):
         """Mark these delivery tags as just delivered (so the visibility timeout restarts)."""
         ...
 
+    def queued(self, queues: Sequence[str], task_ids: Sequence[str]) -> set[str] | None:
+        """Which of ``task_ids`` wait in ``queues``; None when the broker cannot tell."""
+        ...
+
     def close(self) -> None:
         """Release the dedicated connection."""
         ...
@@ -58,6 +64,9 @@ class AmqpBroker:
 
     def refresh(self, tags: Sequence[Any]) -> None:
         return None
+
+    def queued(self, queues: Sequence[str], task_ids: Sequence[str]) -> set[str] | None:
+        return None  # a queue cannot be read without consuming it
 
     def close(self) -> None:
         return None
@@ -138,6 +147,40 @@ class RedisBroker:
             self._reset()
             raise
 
+    def queued(self, queues: Sequence[str], task_ids: Sequence[str],
+               chunk: int = 500) -> set[str] | None:
+        """Which of ``task_ids`` still wait in ``queues`` (every priority list of each).
+
+        Read from the oldest end (kombu pushes left and pops right), chunk by chunk, stopping
+        once every id is found: the ids asked about were published a while ago, so they sit
+        near that end unless the queue is long and stalled.
+        """
+        wanted = set(task_ids)
+        if not wanted or not queues:
+            return set()
+        with self._lock:
+            chan = self._chan()
+            found: set[str] = set()
+            try:
+                with chan.conn_or_acquire() as client:
+                    for queue in dict.fromkeys(queues):
+                        for pri in chan.priority_steps:
+                            key = chan._q_for_pri(queue, pri)
+                            start = 0
+                            while wanted - found:
+                                raw = client.lrange(key, -(start + chunk), -(start + 1))
+                                for item in raw:
+                                    task_id = _task_id_of(item)
+                                    if task_id in wanted:
+                                        found.add(task_id)
+                                if len(raw) < chunk:
+                                    break
+                                start += chunk
+            except Exception:
+                self._reset()
+                raise
+            return found
+
     def unacked_score(self, tag: Any) -> float | None:
         """Delivery time recorded for ``tag`` (tests and the benchmark use it)."""
         chan = self._chan()
@@ -149,6 +192,15 @@ class RedisBroker:
         with self._lock:
             self._reset()
 
+
+
+def _task_id_of(raw: Any) -> str | None:
+    """The task id of one message as kombu's Redis transport stores it (None if unreadable)."""
+    try:
+        headers = json.loads(raw).get("headers") or {}
+        return str(headers["id"]) if "id" in headers else None
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 def broker_ops(app: Any, *, timeout_s: float = 5.0) -> BrokerOps:

@@ -10,6 +10,8 @@ Configured from the environment:
 * ``CRAWL_B_INTERVAL`` — use a Celery interval of this many seconds instead (so stock beat and
   RedBeat, which cannot store a TzCron, run the same burst);
 * ``CRAWL_B_METRICS`` — ``crawl_metrics_port``;
+* ``CRAWL_B_VERIFY`` — ``crawl_beat_verify_delivery`` (seconds); also installs the worker plugin
+  (``crawl_worker_lease_ttl`` 3 s), which the delivery check needs on every worker;
 * ``CRAWL_B_REDBEAT_URL`` / ``CRAWL_B_REDBEAT_LOCK`` / ``CRAWL_B_MAX_LOOP`` — RedBeat's Redis,
   lock timeout and ``beat_max_loop_interval`` (benchmark only).
 
@@ -58,6 +60,13 @@ if _env("CRAWL_B_REDBEAT_URL"):
         app.conf.redbeat_lock_timeout = int(_env("CRAWL_B_REDBEAT_LOCK", "0"))
 if _env("CRAWL_B_MAX_LOOP"):
     app.conf.beat_max_loop_interval = float(_env("CRAWL_B_MAX_LOOP", "0"))
+
+if _env("CRAWL_B_VERIFY"):
+    from celery_crawl.worker import install_worker
+
+    app.conf.update(crawl_beat_verify_delivery=float(_env("CRAWL_B_VERIFY", "0")),
+                    crawl_worker_lease_ttl=3.0)
+    install_worker(app)
 
 _sink: redis.Redis | None = None
 

@@ -56,6 +56,8 @@ BAD: list[tuple[str, Any]] = [
     ("crawl_audit_maxlen", None),
     ("crawl_store_timeout", 0),
     ("crawl_store_timeout", "-2s"),
+    ("crawl_beat_verify_delivery", "-1s"),
+    ("crawl_beat_verify_delivery", 0.5),
 ]
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import celery_crawl
 
 EXPECTED = {
-    "AuditedRedisBackend", "Claim", "ConfigError", "CrawlConfig", "CrawlError", "FencedError",
+    "AbandonedRun", "AuditedRedisBackend", "Claim", "ConfigError", "CrawlConfig", "CrawlError",
+    "FencedError",
     "IdempotentTask", "Lease", "LeaseError", "LeaseLost", "LeaseStore", "LeasedScheduler",
-    "NotLeader", "PoisonMessage", "ReplayError",
+    "NotLeader", "PoisonMessage", "ReplayError", "RollbackFailed",
     "ScheduleError", "ScheduleFileError", "SerializationRefused", "StoreDataError",
     "StoreError", "StoreTimeout", "StoreUnavailable", "TzCron", "UnsupportedSetup",
     "__version__", "current_claim", "install", "open_store",

@@ -7,7 +7,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from celery_crawl.beat.slots import SkipRange
-from celery_crawl.beat.state import MAX_SKIP_RANGES, EntryState, SkipLog, format_slot, parse_slot
+from celery_crawl.beat.state import (
+    MAX_SKIP_RANGES,
+    EntryState,
+    Sent,
+    SkipLog,
+    format_slot,
+    parse_slot,
+)
 from celery_crawl.errors import StoreDataError
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -25,6 +32,16 @@ def test_entry_state_roundtrip() -> None:
     assert EntryState.from_record(st.to_record()) == st
     with pytest.raises(StoreDataError):
         EntryState.from_record({"nofingerprint": 1}, key="k")
+
+
+def test_unverified_runs_roundtrip_and_are_absent_when_empty() -> None:
+    st = EntryState("fp1", T0, unverified=[Sent("tid", "2026-03-01T12:00:00Z", False, 1.5, 2)])
+    record = st.to_record()
+    assert record["unverified"] == [["tid", "2026-03-01T12:00:00Z", False, 1.5, 2]]
+    assert EntryState.from_record(record) == st
+    assert "unverified" not in EntryState("fp1").to_record()  # older readers see no change
+    with pytest.raises(StoreDataError, match="beat/entry/x"):
+        EntryState.from_record({"fingerprint": "f", "unverified": [[1, 2]]}, key="beat/entry/x")
 
 
 def test_skip_log_merges_contiguous_ranges_and_caps() -> None:
