@@ -67,6 +67,9 @@ class CrawlerSettings:
             ``CRAWL_WORKER_LEASE_TTL``); None keeps celery-crawl's defaults.
         visibility_timeout_s: Redis broker ``visibility_timeout`` (``CRAWL_VISIBILITY_TIMEOUT``);
             None keeps kombu's (1 h). The worker plugin recovers a dead worker's tasks sooner.
+        verify_delivery_s: ``crawl_beat_verify_delivery`` (``CRAWL_VERIFY_DELIVERY``, default
+            30 s; 0 turns it off): every crawler worker runs the worker plugin, so the beat may
+            publish again a run lost between the Redis broker and a worker.
         allowed_hosts: the only hosts a fetch (or a redirect it follows) may go to, lower case,
             IDNA names in their ``xn--`` form (``CRAWL_ALLOWED_HOSTS``, comma separated); None
             (the default, ``*``) allows every host.
@@ -102,6 +105,7 @@ class CrawlerSettings:
     worker_lease_ttl_s: float | None
     visibility_timeout_s: float | None
     allowed_hosts: tuple[str, ...] | None = None
+    verify_delivery_s: float = 30.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> CrawlerSettings:
@@ -161,6 +165,7 @@ class CrawlerSettings:
             worker_lease_ttl_s=_optional_seconds(e, "CRAWL_WORKER_LEASE_TTL"),
             visibility_timeout_s=_optional_seconds(e, "CRAWL_VISIBILITY_TIMEOUT"),
             allowed_hosts=_hosts(e, "CRAWL_ALLOWED_HOSTS"),
+            verify_delivery_s=_verify_seconds(e, "CRAWL_VERIFY_DELIVERY", 30.0),
         )
 
     def host_allowed(self, host: str) -> bool:
@@ -200,6 +205,7 @@ class CrawlerSettings:
             "crawl_namespace": self.namespace,
             # The crawler serves /metrics itself (workers.crawler), on CRAWL_METRICS_ADDR.
             "crawl_metrics_port": None,
+            "crawl_beat_verify_delivery": self.verify_delivery_s,
         }
         if self.schedule_paths is not None:
             conf["crawl_schedule_paths"] = list(self.schedule_paths)
@@ -269,6 +275,16 @@ def _seconds(env: Mapping[str, str], var: str, default: float) -> float:
     if seconds <= 0:
         raise ConfigError(f"{var}: must be positive, got {raw!r}")
     return seconds
+
+
+def _verify_seconds(env: Mapping[str, str], var: str, default: float) -> float:
+    raw = (env.get(var) or "").strip()
+    if raw in ("0", "0s", "off"):
+        return 0.0
+    value = _seconds(env, var, default)
+    if value < 1:
+        raise ConfigError(f"{var}: {value:g}s is too short (0 = off, else at least 1s)")
+    return value
 
 
 def _optional_seconds(env: Mapping[str, str], var: str) -> float | None:

@@ -167,6 +167,8 @@ def test_sink_fences_older_tokens_and_counts_duplicate_runs(tmp_path: Path) -> N
     ({"CRAWL_METRICS_ADDR": "everywhere"}, "CRAWL_METRICS_ADDR"),
     ({"ETCD_URL": "zk://x:1"}, "ETCD_URL"),
     ({"CRAWL_NAMESPACE": "a b"}, "CRAWL_NAMESPACE"),
+    ({"CRAWL_VERIFY_DELIVERY": "0.5"}, "CRAWL_VERIFY_DELIVERY: 0.5s is too short"),
+    ({"CRAWL_VERIFY_DELIVERY": "-3"}, "CRAWL_VERIFY_DELIVERY: must be positive"),
 ])
 def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -179,6 +181,9 @@ def test_settings_defaults_and_lease_url_choice() -> None:
     conf = s.celery_conf(audited_backend=True)
     assert conf["result_backend"] == "crawlredis://127.0.0.1:6379/0"
     assert conf["task_acks_late"] is True
+    assert conf["crawl_beat_verify_delivery"] == 30.0
+    off = CrawlerSettings.from_env({"CRAWL_VERIFY_DELIVERY": "0"})
+    assert off.celery_conf(audited_backend=True)["crawl_beat_verify_delivery"] == 0.0
 
 
 def test_links_are_absolute_same_host_and_unique() -> None:

@@ -5,7 +5,7 @@ replicas and workers of one run share one configuration:
 
 ``SOAK_BROKER_URL``, ``SOAK_BACKEND_URL``, ``SOAK_LEASE_URL``, ``SOAK_NAMESPACE``,
 ``SOAK_SCHEDULES`` (glob of schedule files), ``SOAK_SINK_URL`` (the evidence Redis),
-``SOAK_BEAT_TTL``, ``SOAK_WORKER_TTL``.
+``SOAK_BEAT_TTL``, ``SOAK_WORKER_TTL``, ``SOAK_VERIFY_DELIVERY`` (``crawl_beat_verify_delivery``, 4 s).
 
 The task ``record`` stamps its external write with the claim token the worker step gives it, the
 way a real crawler should stamp its output: the sink accepts a write for ``(entry, slot)`` only
@@ -90,6 +90,9 @@ app.conf.update(
     crawl_beat_lease_ttl=float(_env("SOAK_BEAT_TTL", "3")),
     crawl_worker_lease_ttl=float(_env("SOAK_WORKER_TTL", "3")),
     crawl_store_timeout=1.0,
+    # Every soak worker runs the worker plugin: a run lost between the Redis broker and a
+    # worker (popped, then the worker killed) is published again by the leader.
+    crawl_beat_verify_delivery=float(_env("SOAK_VERIFY_DELIVERY", "4")),
     broker_connection_retry_on_startup=True,
     broker_transport_options={"visibility_timeout": 3600},
     result_backend_transport_options={"retry_policy": {"timeout": 5.0}},
