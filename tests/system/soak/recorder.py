@@ -5,7 +5,8 @@ replicas and workers of one run share one configuration:
 
 ``SOAK_BROKER_URL``, ``SOAK_BACKEND_URL``, ``SOAK_LEASE_URL``, ``SOAK_NAMESPACE``,
 ``SOAK_SCHEDULES`` (glob of schedule files), ``SOAK_SINK_URL`` (the evidence Redis),
-``SOAK_BEAT_TTL``, ``SOAK_WORKER_TTL``, ``SOAK_VERIFY_DELIVERY`` (``crawl_beat_verify_delivery``, 4 s).
+``SOAK_BEAT_TTL``, ``SOAK_WORKER_TTL``, ``SOAK_VERIFY_DELIVERY`` (``crawl_beat_verify_delivery``,
+4 s).
 
 The task ``record`` stamps its external write with the claim token the worker step gives it, the
 way a real crawler should stamp its output: the sink accepts a write for ``(entry, slot)`` only
