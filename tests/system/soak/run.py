@@ -138,6 +138,17 @@ def _unacked_task_ids(stack: Stack) -> list[str]:
     return ids
 
 
+def _recoveries_logged(logs: Path) -> str:
+    """How often the two last-resort recoveries acted, from the processes' own logs."""
+    resent = taken = 0
+    for path in logs.glob("*.log"):
+        text = path.read_text(errors="replace")
+        resent += text.count("published again")
+        taken += text.count("took idempotency key")
+    return (f"runs published again by the delivery check: {resent}; keys taken over from a "
+            f"run that died unfinished (rolled back first): {taken}")
+
+
 def _postmortem(stack: Stack, skips: SkipCollector, faults: list[Any],
                 monitor: LeaderMonitor) -> None:
     """Everything the accounting used, as JSON beside the logs, to read a failed run."""
@@ -237,6 +248,7 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
         phase("shutdown")
     if summary.audit_ok is None:
         summary.notes.append("`celery crawl audit verify` is not available")
+    summary.notes.append(_recoveries_logged(stack.workdir / "logs"))
     summary.notes.append(f"shutdown exit codes: {codes}")
     hangs = stack.term_hangs()
     if hangs:
