@@ -162,6 +162,7 @@ class LeaseStep(bootsteps.StartStopStep):
     # -- consumer attach/detach (ClaimStep) ------------------------------------------------
     def attach(self, c: Any) -> None:
         """Wrap every task strategy of a (re)started consumer and start re-checking parked."""
+        _guard_connection_close(c)
         if self.consumer is not None:
             # A reconnection: Celery dropped the reserved requests of the old channel (the broker
             # redelivers them), so their claims must go too or the copies would park forever.
@@ -321,20 +322,21 @@ class LeaseStep(bootsteps.StartStopStep):
         def on_ack(*args: Any, **kw: Any) -> Any:
             if held.fenced:
                 return None
+            settle = _settler(held, ack, args, kw)
             if not self._lease_valid_for(held):
-                return self._complete_stale(held, "done", False, lambda: ack(*args, **kw))
+                return self._complete_stale(held, "done", False, settle)
             self._complete(held, "done", requeue=False)
-            return ack(*args, **kw)
+            return settle()
 
         def on_reject(*args: Any, **kw: Any) -> Any:
             if held.fenced:
                 return None
             requeue = bool(kw.get("requeue", args[2] if len(args) > 2 else False))
+            settle = _settler(held, reject, args, kw)
             if not self._lease_valid_for(held):
-                return self._complete_stale(held, "rejected", requeue,
-                                            lambda: reject(*args, **kw))
+                return self._complete_stale(held, "rejected", requeue, settle)
             self._complete(held, "rejected", requeue=requeue)
-            return reject(*args, **kw)
+            return settle()
 
         held.extra["ack"], held.extra["reject"] = ack, reject
         try:
@@ -420,7 +422,7 @@ class LeaseStep(bootsteps.StartStopStep):
     def _call_ack(self, held: Held) -> None:
         ack = held.extra["run"][2]
         consumer = self.consumer
-        ack(logger, getattr(consumer, "connection_errors", ()))
+        _settler(held, ack, (logger, getattr(consumer, "connection_errors", ())), {})()
 
     def _poison(self, held: Held) -> None:
         """End a task delivered ``crawl_max_deliveries`` times as FAILURE, without running it."""
@@ -652,6 +654,68 @@ class ClaimStep(bootsteps.StartStopStep):
 
     def shutdown(self, c: Any) -> None:
         self.stop(c)
+
+
+def _channel_gone(message: Any) -> bool:
+    """Whether the kombu virtual channel a message came on belongs to a collected connection.
+
+    Celery 5.7 collects a broken broker connection (which clears its transport's ``client``)
+    and then closes it; on the Redis transport every later use of that channel - acking a
+    message that was running, or the close itself restoring unacked messages - raises
+    ``AttributeError`` instead of a connection error, and the worker stops with
+    "Unrecoverable error". py-amqp channels have no such attribute and are never "gone" here.
+    """
+    transport = getattr(getattr(message, "channel", None), "connection", None)
+    return transport is not None and hasattr(transport, "client") and transport.client is None
+
+
+def _settler(held: Held, settle: Callable[..., Any], args: tuple[Any, ...],
+             kw: dict[str, Any]) -> Callable[[], Any]:
+    """Ack or reject ``held``, unless its channel is gone (then the end is already recorded:
+    the tombstone drops the redelivery, or the claim's drop lets it run again)."""
+
+    def call() -> Any:
+        if _channel_gone(held.message):
+            logger.warning("celery-crawl: %s[%s]: its broker connection is gone; not acking "
+                           "on it (kombu's visibility timeout redelivers the message later, and "
+                           "the done tombstone drops that copy)", held.extra.get("task"),
+                           held.task_id)
+            return None
+        return settle(*args, **kw)
+
+    return call
+
+
+def _guard_connection_close(c: Any) -> None:
+    """Keep a Redis broker restart from stopping the worker (Celery 5.7 with kombu 5).
+
+    The consumer's connection-loss handler collects the broken connection, then closes it; the
+    close makes kombu's Redis channel restore its unacked messages through the collected
+    transport and raise ``AttributeError``, which Celery does not expect there. The close is
+    made to swallow exactly that; the messages it could not restore are restored by the
+    reconnected consumer (``_forget_unstarted``) or the reaper.
+    """
+    if getattr(c, "_crawl_close_guard", False):
+        return
+    original = c.on_connection_error_after_connected
+
+    def on_connection_error_after_connected(exc: BaseException) -> Any:
+        conn = getattr(c, "connection", None)
+        if conn is not None and getattr(conn.transport, "driver_type", None) == "redis":
+            close = conn.close
+
+            def close_collected() -> None:
+                try:
+                    close()
+                except AttributeError as err:
+                    logger.warning("celery-crawl: closing the lost broker connection: %s "
+                                   "(its unacked messages are restored on reconnection)", err)
+
+            conn.close = conn.release = close_collected
+        return original(exc)
+
+    c.on_connection_error_after_connected = on_connection_error_after_connected
+    c._crawl_close_guard = True
 
 
 def _jsonable(value: Any) -> Any:

@@ -251,8 +251,8 @@ def test_reconnection_releases_claims_of_dropped_reserved_tasks(
 ) -> None:
     """On a lost broker connection Celery drops its reserved requests and RabbitMQ requeues
     every unacked message; the claims of the dropped ones must go too, or their redelivered
-    copies would park behind our own live claims forever. (No Redis broker restart here: with
-    kombu 5 and Celery 5.7 the worker stops with an 'Unrecoverable error' there, stock or not.)
+    copies would park behind our own live claims forever. (The Redis broker restart has its own
+    test below.)
     """
     combo = Combo(broker=rabbit_url, backend=redis_srv.url_db(2), lease=redis_srv.url_db(0),
                   sink=redis_srv.url_db(3), pool="prefork")
@@ -276,6 +276,36 @@ def test_reconnection_releases_claims_of_dropped_reserved_tasks(
         # once the run wrote its tombstone (stock Celery would run it a second time).
         wait_until(lambda: "as a duplicate" in proc.log(), 30, what="the copy dropped")
         assert len(runs(combo, long_key)) == 1
+
+
+def test_a_redis_broker_restart_does_not_stop_the_worker(
+    redis_srv: RedisServer, fresh_redis_aof: RedisServer, tmp_path: Path,
+) -> None:
+    """Celery 5.7 collects a lost connection, then closes it; on the Redis transport the close
+    (restoring unacked messages) and the ack of a task that was running both raise
+    AttributeError, and a stock worker stops with "Unrecoverable error". With the plugin the
+    worker reconnects: the running task finishes once, the reserved ones run once after the
+    restart, and a task sent afterwards runs."""
+    combo = Combo(broker=fresh_redis_aof.url_db(1), backend=redis_srv.url_db(2),
+                  lease=redis_srv.url_db(0), sink=redis_srv.url_db(3), pool="prefork")
+    keys = [f"{combo.ns}-{i}" for i in range(3)]
+    with workers(combo, tmp_path) as ws:
+        proc = ws.start("a")
+        for k in keys:
+            send(combo, k, 2.0)
+        wait_until(lambda: runs(combo, keys[0]), 30, what="the first task started")
+        fresh_redis_aof.restart(down_s=1.0)
+        for k in keys:
+            wait_until(lambda k=k: runs(combo, k, "finished") or not proc.alive(), 60,
+                       what=f"{k} finished\n{proc.log()[-3000:]}")
+        assert proc.alive(), proc.log()[-3000:]
+        after = f"{combo.ns}-after"
+        send(combo, after, 0.1)
+        wait_until(lambda: runs(combo, after, "finished"), 60,
+                   what=f"a task sent after the restart\n{proc.log()[-3000:]}")
+        for k in keys:
+            assert len(runs(combo, k)) == 1, (k, runs(combo, k))
+        assert proc.alive() and "Unrecoverable error" not in proc.log()
 
 
 def test_task_that_finished_during_a_whole_store_outage_is_not_run_again(
