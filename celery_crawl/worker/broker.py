@@ -163,9 +163,12 @@ class RedisBroker:
             found: set[str] = set()
             try:
                 with chan.conn_or_acquire() as client:
+                    # kombu prefixes the keys of the commands it uses itself (not LRANGE).
+                    prefix = "" if "LRANGE" in getattr(client, "PREFIXED_SIMPLE_COMMANDS", (
+                        "LRANGE",)) else str(getattr(client, "global_keyprefix", "") or "")
                     for queue in dict.fromkeys(queues):
                         for pri in chan.priority_steps:
-                            key = chan._q_for_pri(queue, pri)
+                            key = prefix + chan._q_for_pri(queue, pri)
                             start = 0
                             while wanted - found:
                                 raw = client.lrange(key, -(start + chunk), -(start + 1))
