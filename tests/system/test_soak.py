@@ -25,12 +25,6 @@ from tests.system.soak.run import missing_pieces, run_soak
 
 pytestmark = [pytest.mark.system, pytest.mark.soak, pytest.mark.slow]
 
-KNOWN_DEFECTS = (
-    "a slot run twice or neither run nor skipped breaks the claim; none is known to remain "
-    "(20-minute soaks on both stores: 0 and 0, docs/durability.md). The summary names the "
-    "slots, the logs and a post-mortem stay in the work dir"
-)
-
 #: Counted window per store in CI (the whole run adds start-up, grace, drain and shutdown).
 SHORT_S = 20.0
 
@@ -78,19 +72,17 @@ def test_soak_every_slot_runs_once_or_is_skipped(
     else:
         log(f"logs and post-mortem kept in {workdir}")
     report = "\n".join(lines)
-    # What holds today, enforced:
+    # Enforced:
     assert summary.due > 0, report
     assert not summary.concurrent_duplicates, report  # never two live runs of one slot
     assert summary.beat_exits == 0, report
     assert summary.audit_ok is not False, report
     assert not violations, report  # no skewed leader, leader tokens never went back
-    # The full claim. Known open defects make it fail under some faults (the summary says
-    # which slots and why); reported as an expected failure until they are fixed, never hidden.
-    if summary.duplicates or summary.unaccounted:
-        pytest.xfail(
-            f"{KNOWN_DEFECTS}\n{len(summary.duplicates)} duplicate(s), "
-            f"{len(summary.unaccounted)} unaccounted: "
-            + "; ".join([*summary.duplicates[:3], *summary.unaccounted[:3]]))
+    # The full claim: every slot due in the window ran exactly once or is recorded skipped
+    # (the summary names any slot that did not, the work dir keeps the logs and a post-mortem).
+    assert not summary.duplicates, report
+    assert not summary.unaccounted, report
+    assert summary.ok, report
 
 
 def test_ledger_classifies_every_slot() -> None:
