@@ -42,7 +42,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import before_task_publish
 
 from .backends.audited import AuditedRedisBackend, _claim_token, parse_token
-from .backends.ledger import Heartbeat, KeyLedger
+from .backends.ledger import Decision, Heartbeat, KeyLedger
 from .errors import (
     AbandonedRun,
     ConfigError,
@@ -341,7 +341,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         finally:
             heartbeat.stop()
 
-    def _undo_abandoned(self, ledger: KeyLedger, run_id: str, decision: Any,
+    def _undo_abandoned(self, ledger: KeyLedger, run_id: str, decision: Decision,
                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Roll back a dead run's effects before this run redoes them (once per its token).
 
@@ -446,19 +446,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # final-failure rollback it left pending). A rollback that can tell its writes apart
         # by token undoes only those.
         self.request.crawl_rollback_token = parse_token(token) if token else None
-        for attempt in range(1, max(1, self.rollback_max_attempts) + 1):
-            try:
-                self.rollback(exc, task_id, args, kwargs)
-            except Exception:
-                logger.exception("task %s: rollback attempt %d failed", task_id, attempt)
-                if attempt < self.rollback_max_attempts:
-                    time.sleep(delay)
-                    delay = min(delay * 2, self.rollback_backoff_max_s)
-                continue
-            ledger.rollback_end(run_id, token, final=final, status="done")
-            return ROLLED_BACK
-        ledger.rollback_end(run_id, token, final=final, status="failed")
-        return ROLLBACK_FAILED
+        try:
+            for attempt in range(1, max(1, self.rollback_max_attempts) + 1):
+                try:
+                    self.rollback(exc, task_id, args, kwargs)
+                except Exception:
+                    logger.exception("task %s: rollback attempt %d failed", task_id, attempt)
+                    if attempt < self.rollback_max_attempts:
+                        time.sleep(delay)
+                        delay = min(delay * 2, self.rollback_backoff_max_s)
+                    continue
+                ledger.rollback_end(run_id, token, final=final, status="done")
+                return ROLLED_BACK
+            ledger.rollback_end(run_id, token, final=final, status="failed")
+            return ROLLBACK_FAILED
+        finally:
+            self.request.crawl_rollback_token = None  # the body after a takeover must not see it
 
     # -- the worker plugin's poison hook ----------------------------------------------------------
     def crawl_on_poison(self, task_id: str, args: Any, kwargs: Any, reason: str, *,

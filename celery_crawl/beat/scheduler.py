@@ -137,8 +137,8 @@ class LeasedScheduler(Scheduler):
 
         broker = broker_ops(self.app, timeout_s=self.config.store_timeout_s)
         if broker.kind != "redis":
-            log.info("beat: crawl_beat_verify_delivery is off: the %s broker keeps unacked "
-                     "messages itself", broker.kind)
+            log.info("beat: crawl_beat_verify_delivery is off: it reads Redis broker queues "
+                     "only (a broker that keeps unacked messages itself does not lose them)")
             return
         assert self._store is not None
 

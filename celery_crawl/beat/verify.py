@@ -66,8 +66,6 @@ class DeliveryCheck:
         self.broker = broker
         self.after_s = after_s
         self.queues_of = queues_of
-        self.resent = 0
-        self.lost = 0
 
     def track(self, st: EntryState, task_id: str, slot: str, manual: bool) -> None:
         """Remember a run just published."""
@@ -90,42 +88,40 @@ class DeliveryCheck:
         now = time.time()
         due = [(name, s) for name, st in states.items() for s in st.unverified
                if s.check_at <= now][:BATCH]
-        if not due:
-            return set()
         changed: set[str] = set()
-        waiting = self._at_workers(due)
-        suspects = [(n, s) for (n, s), seen in zip(due, waiting, strict=True) if not seen]
-        settled = {id(s) for (n, s), seen in zip(due, waiting, strict=True) if seen == "done"}
-        later = [s for (n, s), seen in zip(due, waiting, strict=True) if seen == "claimed"]
+        later: list[Sent] = []
+        suspects: list[tuple[str, Sent]] = []
+        for (name, sent), seen in zip(due, self._at_workers(due), strict=True):
+            if seen == "done":
+                states[name].unverified.remove(sent)
+                changed.add(name)
+            elif seen == "claimed":
+                later.append(sent)
+            else:
+                suspects.append((name, sent))
         if suspects:
             queued = self._queued(suspects)
             if queued is None:
-                return set()  # RabbitMQ: nothing to learn here
+                return changed  # RabbitMQ: nothing more to learn here
             unseen = [(n, s) for n, s in suspects if s.task_id not in queued]
             later += [s for n, s in suspects if s.task_id in queued]
             # A worker may have taken a run off the queue between the two reads.
-            again = self._at_workers(unseen) if unseen else []
-            for (name, sent), seen in zip(unseen, again, strict=True):
+            for (name, sent), seen in zip(unseen, self._at_workers(unseen), strict=True):
+                changed.add(name)
                 if seen == "done":
-                    settled.add(id(sent))
+                    states[name].unverified.remove(sent)
                 elif seen == "claimed":
                     later.append(sent)
                 else:
-                    changed.add(name)
                     self._lost(name, sent, now, states[name], republish, give_up)
         for sent in later:
             sent.check_at = now + self.after_s
-        for name, sent in due:
-            if id(sent) in settled:
-                states[name].unverified.remove(sent)
-                changed.add(name)
         return changed
 
     def _lost(self, name: str, sent: Sent, now: float, st: EntryState,
               republish: Republish, give_up: GiveUp) -> None:
         if sent.resent >= MAX_RESENDS:
             st.unverified.remove(sent)
-            self.lost += 1
             log.error("beat: entry %r run %s (slot %s) never reached a worker after %d "
                       "publishes; giving it up", name, sent.task_id, sent.slot, sent.resent + 1)
             give_up(name, sent)
@@ -133,7 +129,6 @@ class DeliveryCheck:
         sent.check_at = now + self.after_s
         if republish(name, sent):
             sent.resent += 1
-            self.resent += 1
             metrics.BEAT_RESENT.inc()
             log.warning("beat: entry %r run %s (slot %s) is neither at a worker nor in its "
                         "queue %.0fs after publishing (lost between the broker and a worker); "
@@ -141,6 +136,8 @@ class DeliveryCheck:
 
     def _at_workers(self, runs: Sequence[tuple[str, Sent]]) -> list[str | None]:
         """``done`` (tombstone), ``claimed`` (a worker holds it) or None, per run."""
+        if not runs:
+            return []
         ids = [s.task_id for _, s in runs]
         tombs = self.store.get_many([keys.done(i) for i in ids])
         out: list[str | None] = []

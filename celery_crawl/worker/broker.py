@@ -178,7 +178,11 @@ class RedisBroker:
                                         found.add(task_id)
                                 if len(raw) < chunk:
                                     break
-                                start += chunk
+                                # Workers pop from this end while we read, which moves unread
+                                # messages into positions already read: the next window
+                                # overlaps this one by half, so up to chunk/2 pops in between
+                                # skip nothing (a skipped one would only be published again).
+                                start += max(1, chunk // 2)
             except Exception:
                 self._reset()
                 raise

@@ -57,15 +57,6 @@ redis.call('RPUSH', KEYS[2], ARGV[2])
 return 1
 """
 
-# Undo the write of one token: raise the floor to the calling run's token first, then record
-# the undo (the ledger voids accepted writes of that token for that slot).
-_UNDO = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
-if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1]) end
-redis.call('RPUSH', KEYS[2], ARGV[2])
-return 1
-"""
-
 try:  # the idempotent base (issue E); the soak runs without it, and says so
     from celery_crawl.tasks import IdempotentTask as _Base  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on what is installed
@@ -147,7 +138,9 @@ class _Recorder(_Base):  # type: ignore[misc,valid-type]
         undone = getattr(req, "crawl_rollback_token", None)
         own = _claim_token(self)
         key = _TOKEN_KEY.format(entry=entry, slot=slot)
-        sink().eval(_UNDO, 2, key, SINK_UNDONE, -1 if own is None else own,
+        # Raise the slot's floor to this run's token, then record the undo (the ledger voids
+        # accepted writes of the undone token for that slot).
+        sink().eval(_REGISTER, 2, key, SINK_UNDONE, -1 if own is None else own,
                     json.dumps({"task_id": req.id, "entry": entry, "slot": slot,
                                 "claim_token": undone, "by_token": own,
                                 "reason": type(exc).__name__, "worker": req.hostname,
