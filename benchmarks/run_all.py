@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 #: Run first the cheap ones, so a late timeout costs the least.
-ORDER = ("schedules", "leases", "backend", "worker", "beat")
+ORDER = ("schedules", "leases", "backend", "throughput", "worker", "beat")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,94 @@
+"""Celery app of the throughput benchmark (``benchmarks/throughput.py``).
+
+One module serves every setup, chosen by the environment:
+
+* ``TP_BROKER`` / ``TP_BACKEND`` — broker and result backend URLs;
+* ``TP_MODE`` — ``stock`` (``acks_late``, plain Redis backend), ``plugins`` (``install(app)``,
+  the ``crawlredis://`` backend) or ``idem`` (the same, tasks on ``IdempotentTask``);
+* ``TP_LEASE`` — ``crawl_lease_url`` (plugins and idem);
+* ``TP_COUNT_DIR`` — when set, every redis-py round trip is counted per server port and each
+  process writes its counts there when it exits (the profile run; never the timed one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from celery import Celery, signals
+
+import celery_crawl
+from celery_crawl.tasks import IdempotentTask
+
+_env = os.environ.get
+MODE = _env("TP_MODE", "stock")
+
+app = Celery("tp", broker=_env("TP_BROKER"), backend=_env("TP_BACKEND"))
+app.conf.update(
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"socket_timeout": 5, "socket_connect_timeout": 5},
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    result_expires=3600,
+    worker_prefetch_multiplier=4,
+    worker_hijack_root_logger=False,
+    worker_redirect_stdouts=False,
+)
+if MODE == "stock":
+    app.conf.task_acks_late = True
+    app.conf.task_reject_on_worker_lost = True
+else:
+    app.conf.update(crawl_lease_url=_env("TP_LEASE"), crawl_namespace="tp",
+                    crawl_worker_lease_ttl=15, crawl_done_ttl=600)
+    celery_crawl.install(app)
+
+
+@app.task(name="tp.noop")
+def noop(i: int) -> int:
+    return i
+
+
+@app.task(name="tp.idem", base=IdempotentTask)
+def idem(i: int) -> int:
+    return i
+
+
+# -- round-trip counting (profile run only) ----------------------------------------------------
+_counts: Counter[str] = Counter()
+
+
+def _install_counter() -> None:
+    from redis.connection import AbstractConnection
+
+    send = AbstractConnection.send_packed_command
+
+    def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        _counts[str(getattr(self, "port", "?"))] += 1
+        send(self, command, check_health)
+
+    AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
+
+
+def _dump(role: str) -> None:
+    out = Path(_env("TP_COUNT_DIR", "."))
+    (out / f"{role}-{os.getpid()}.json").write_text(json.dumps(dict(_counts)))
+
+
+if _env("TP_COUNT_DIR"):
+    _install_counter()
+
+    @signals.worker_process_shutdown.connect
+    def _child_exit(**_: Any) -> None:
+        _dump("child")
+
+    @signals.worker_shutdown.connect
+    def _main_exit(**_: Any) -> None:
+        _dump("main")
+
+    @signals.worker_process_init.connect
+    def _child_start(**_: Any) -> None:
+        _counts.clear()  # a forked child starts from zero, not from the parent's counts
