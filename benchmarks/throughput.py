@@ -23,6 +23,7 @@ and the CPU of the worker's main process and of its pool children is read from `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -138,14 +139,10 @@ def stop_worker(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
     """Warm shutdown (SIGTERM to the main process), then kill the group if it hangs."""
     if proc.poll() is None:
         proc.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, 9)
-    except ProcessLookupError:
-        pass
     proc.wait(timeout=10)
 
 
