@@ -5,7 +5,10 @@ permutation each round (so even a short run sees different kinds, and a long one
 kind many times), targets and durations are drawn from the same generator. Every choice is
 printed with its time, so a failing run can be read and replayed with the same seed.
 
-One fault at a time; each is healed (SIGCONT, restart) before the next one starts.
+One fault at a time; each is healed (SIGCONT, restart, the proxy back to passing, the clock
+back to real) before the next one starts. Partitions and slow links are made by the TCP proxy
+each process has in front of the lease store (``Member.proxies``): the process keeps its broker
+and result backend connections, as when one host loses its route to the store.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from celery_crawl import keys
@@ -26,10 +29,12 @@ from .stack import Member, Stack, now
 __all__ = ["FAULT_KINDS", "FaultInjector", "LeaderMonitor"]
 
 FAULT_KINDS = (
-    "beat_kill9", "beat_stop", "beat_term", "beat_skew",
-    "worker_kill9", "worker_stop",
-    "redis_restart", "store_unreachable",
+    "beat_kill9", "beat_stop", "beat_term", "beat_skew", "beat_clock_step", "leader_partition",
+    "worker_kill9", "worker_stop", "worker_partition",
+    "redis_restart", "store_unreachable", "slow_store",
 )
+#: The soak's ``crawl_store_timeout`` (recorder.py): a slow store's delay goes up to twice it.
+STORE_TIMEOUT_S = 1.0
 ETCD_FAULT_KINDS = ("etcd_leader_kill", "etcd_follower_kill")
 
 
@@ -101,14 +106,20 @@ class FaultInjector:
     """Injects one fault at a time into ``stack`` until ``deadline`` (epoch seconds)."""
 
     def __init__(self, stack: Stack, monitor: LeaderMonitor, seed: int,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print,
+                 kinds: Sequence[str] | None = None) -> None:
         self.stack = stack
         self.monitor = monitor
         self.seed = seed
         self.rng = random.Random(seed)
         self.log = log
         self.faults: list[Fault] = []
-        self.kinds = FAULT_KINDS + (ETCD_FAULT_KINDS if stack.etcd is not None else ())
+        available = FAULT_KINDS + (ETCD_FAULT_KINDS if stack.etcd is not None else ())
+        unknown = sorted(set(kinds or ()) - set(available))
+        if unknown:
+            raise ValueError(f"unknown fault kinds for store {stack.store_kind}: {unknown}; "
+                             f"known: {', '.join(available)}")
+        self.kinds = tuple(kinds) if kinds else available
         self._round: list[str] = []
         self.ttl_s = stack.ttl_s
 
@@ -198,6 +209,43 @@ class FaultInjector:
             m.start()
         return f
 
+    def beat_clock_step(self) -> Fault:
+        """Step the wall clock of the replica that runs on a clock file by +-1 h, then back.
+
+        Whether it leads or not, it must not dispatch on the stepped clock: no slot early, no
+        slot recorded skipped for the hour it jumped over, no silent entry once it is back.
+        """
+        m = next(b for b in self.stack.beats if b.clock_file is not None)
+        leader, token = self.monitor.leader()
+        offset = self.rng.choice(["+1h", "-1h"])
+        hold = self.rng.uniform(1.0, 2.0 * self.ttl_s)
+        f = Fault("beat_clock_step", m.name, now(), leader_token=token,
+                  was_leader=leader is m, note=f"clock {offset} for {hold:.1f}s")
+        if m.skew:  # beat_skew restarted it on a fixed offset: back onto its clock file
+            with self.stack.lock:
+                m.terminate()
+                m.skew = None
+                m.start()
+        m.step_clock(offset)
+        try:
+            self._sleep(hold)
+        finally:
+            m.step_clock("+0")
+        return f
+
+    def leader_partition(self) -> Fault:
+        """Cut the leader off the lease store (it keeps the broker) for longer than a TTL."""
+        m, was_leader, token = self._beat_target()
+        cut = self._beyond_ttl()
+        f = Fault("leader_partition", m.name, now(), leader_token=token, was_leader=was_leader,
+                  note=f"store black-holed {cut:.1f}s")
+        m.cut_off()
+        try:
+            self._sleep(cut)
+        finally:
+            m.heal_store()
+        return f
+
     # -- worker faults --------------------------------------------------------------------------
     def _worker(self) -> Member:
         return self.rng.choice(self.stack.workers)
@@ -220,6 +268,23 @@ class FaultInjector:
         m.signal(signal.SIGSTOP)
         self._sleep(pause)
         m.signal(signal.SIGCONT)
+        return f
+
+    def worker_partition(self) -> Fault:
+        """Cut one worker off the lease store, not off the broker, for longer than a TTL.
+
+        Its lease runs out on its own clock while its tasks could still run and ack: it must
+        stop them before the reaper hands them to the other worker.
+        """
+        m = self._worker()
+        cut = self._beyond_ttl()
+        f = Fault("worker_partition", m.name, now(), worker_host=f"{m.name}@soak",
+                  note=f"store black-holed {cut:.1f}s")
+        m.cut_off()
+        try:
+            self._sleep(cut)
+        finally:
+            m.heal_store()
         return f
 
     # -- store faults ---------------------------------------------------------------------------
@@ -266,3 +331,19 @@ class FaultInjector:
 
     def etcd_follower_kill(self) -> Fault:
         return self._etcd_member_kill("etcd_follower_kill", leader_side=False)
+
+    def slow_store(self) -> Fault:
+        """Every process's link to the store slowed by up to twice ``crawl_store_timeout``."""
+        delay = self.rng.uniform(0.1, 2.0 * STORE_TIMEOUT_S)
+        length = self.rng.uniform(self.ttl_s, 2.0 * self.ttl_s)
+        f = Fault("slow_store", "all-processes", now(),
+                  note=f"+{delay * 1000:.0f}ms per chunk for {length:.1f}s")
+        members = self.stack.members()
+        for m in members:
+            m.slow_store(delay)
+        try:
+            self._sleep(length)
+        finally:
+            for m in members:
+                m.heal_store()
+        return f

@@ -30,8 +30,9 @@ from typing import Any
 
 __all__ = ["Fault", "SkipSpan", "Summary", "account", "parse_slot"]
 
-BEAT_FAULTS = ("beat_kill9", "beat_stop", "beat_term", "beat_skew")
-WORKER_FAULTS = ("worker_kill9", "worker_stop")
+BEAT_FAULTS = ("beat_kill9", "beat_stop", "beat_term", "beat_skew", "beat_clock_step",
+               "leader_partition")
+WORKER_FAULTS = ("worker_kill9", "worker_stop", "worker_partition")
 
 
 def parse_slot(text: str | None) -> float | None:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -164,8 +164,12 @@ def _postmortem(stack: Stack, skips: SkipCollector, faults: list[Any],
 
 
 def run_soak(store: str, seconds: float, seed: int, workdir: Path,
-             log: Callable[[str], None] = print) -> tuple[Summary, list[str]]:
-    """One soak run on lease store ``store``; returns its summary and monitor violations."""
+             log: Callable[[str], None] = print,
+             kinds: Sequence[str] | None = None) -> tuple[Summary, list[str]]:
+    """One soak run on lease store ``store``; returns its summary and monitor violations.
+
+    ``kinds``: inject only these fault kinds (default: every kind the store has).
+    """
     stack = Stack(store, workdir)
     log(f"soak: store={store} seconds={seconds:.0f} seed={seed} "
         f"(replay: CRAWL_SOAK_SEED={seed} CRAWL_SOAK_SECONDS={seconds:.0f})")
@@ -182,7 +186,7 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
     mon_store = open_store(stack.lease_url, namespace=stack.namespace, timeout_s=1.0)
     monitor = LeaderMonitor(mon_store, stack)
     skips = SkipCollector(mon_store)
-    injector = FaultInjector(stack, monitor, seed, log=log)
+    injector = FaultInjector(stack, monitor, seed, log=log, kinds=kinds)
     violations: list[str] = []
     try:
         monitor.start()
@@ -272,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=float(os.environ.get("CRAWL_SOAK_SECONDS", "1200")))
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep logs in the work dir")
+    parser.add_argument("--kinds", default="",
+                        help="comma-separated fault kinds to inject (default: all)")
     args = parser.parse_args(argv)
     missing = missing_pieces()
     if missing:
@@ -281,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for store in (["redis", "etcd"] if args.store == "both" else [args.store]):
         workdir = Path(tempfile.mkdtemp(prefix=f"crawl-soak-{store}-"))
-        summary, violations = run_soak(store, args.seconds, seed, workdir)
+        kinds = [k for k in args.kinds.split(",") if k] or None
+        summary, violations = run_soak(store, args.seconds, seed, workdir, kinds=kinds)
         ok = ok and summary.ok and not violations
         if args.keep or not summary.ok:
             print(f"logs kept in {workdir}")

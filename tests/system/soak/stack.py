@@ -6,7 +6,13 @@
 * the *sink* Redis: where the recorder writes its evidence; no fault ever touches it;
 * three ``celery beat -S celery_crawl.beat:LeasedScheduler`` replicas and two prefork workers,
   each in its own session (``tests.procs.Proc``), restartable, one replica optionally under
-  libfaketime (preloaded into that process only).
+  libfaketime (preloaded into that process only);
+* for every process, its own TCP proxy (``tests.tcpproxy``) in front of each lease-store
+  endpoint, so a fault can cut one process off the store (or slow its link) while it keeps the
+  broker and the result backend;
+* the last beat replica always runs under libfaketime with its offset read from a file
+  (``FAKETIME_TIMESTAMP_FILE``, no cache): writing the file steps that process's wall clock
+  while it runs.
 
 A process that exits while the soak did not stop it is an *unexpected exit*: it is counted,
 its log tail kept, and it is restarted so the soak goes on.
@@ -28,6 +34,7 @@ from typing import Any
 from tests.clusters import EtcdCluster
 from tests.procs import CELERY, Proc, celery_args, faketime_lib, worker_args
 from tests.servers import RedisServer, wait_until
+from tests.tcpproxy import TcpProxy
 
 __all__ = ["ENTRIES", "Member", "Stack"]
 
@@ -78,6 +85,8 @@ class Member:
     log_dir: Path
     proc: Proc | None = None
     skew: str | None = None  # libfaketime offset, e.g. "+5s"; None: the real clock
+    clock_file: Path | None = None  # libfaketime offset file, stepped at run time
+    proxies: list[TcpProxy] = field(default_factory=list)  # this process -> the lease store
     expected_down: bool = False
     stopped: bool = False  # SIGSTOPped by the soak
     starts: int = 0
@@ -87,12 +96,16 @@ class Member:
     def start(self) -> None:
         env = dict(self.env)
         preload = None
-        if self.skew:
+        if self.skew or self.clock_file is not None:
             preload = faketime_lib()
             assert preload, "libfaketime is not installed (apt-get install faketime)"
-            env.update(FAKETIME=self.skew, FAKETIME_DONT_FAKE_MONOTONIC="1",
-                       FAKETIME_NO_CACHE="1",
+            env.update(FAKETIME_DONT_FAKE_MONOTONIC="1", FAKETIME_NO_CACHE="1",
                        PYTHONPATH=str(Path(__file__).with_name("faketime_site")))
+            if self.skew:
+                env["FAKETIME"] = self.skew
+            else:
+                assert self.clock_file is not None
+                env["FAKETIME_TIMESTAMP_FILE"] = str(self.clock_file)
         self.starts += 1
         log = self.log_dir / f"{self.name}.{self.starts}.log"
         self.proc = Proc(self.args, env=env, log_path=log, preload=preload)
@@ -132,6 +145,26 @@ class Member:
             self.term_hangs += 1
         return code
 
+    def cut_off(self) -> None:
+        """A partition between this process and the lease store (broker and backend stay)."""
+        for proxy in self.proxies:
+            proxy.black_hole()
+
+    def slow_store(self, delay_s: float) -> None:
+        for proxy in self.proxies:
+            proxy.latency(delay_s)
+
+    def heal_store(self) -> None:
+        for proxy in self.proxies:
+            proxy.passthrough()
+
+    def step_clock(self, offset: str) -> None:
+        """Step the wall clock of a process running on ``clock_file`` (e.g. ``"+1h"``)."""
+        assert self.clock_file is not None, f"{self.name} does not run on a clock file"
+        tmp = self.clock_file.with_suffix(".tmp")
+        tmp.write_text(offset + "\n")
+        tmp.replace(self.clock_file)  # libfaketime never reads a half-written offset
+
     def log_tail(self, n: int = 30) -> str:
         text = self.proc.log() if self.proc is not None else ""
         return "\n".join(text.splitlines()[-n:])
@@ -157,6 +190,7 @@ class Stack:
         self._n_workers = workers
         self._concurrency = concurrency
         self.unexpected_exits: list[str] = []
+        self._proxies: dict[str, list[TcpProxy]] = {}
         self.lock = threading.RLock()
 
     # -- servers ----------------------------------------------------------------------------
@@ -166,6 +200,22 @@ class Stack:
             # Every member: the store's gRPC channel fails over between them.
             return f"etcd://{self.etcd.endpoints}"
         return self.redis.url
+
+    def _store_endpoints(self) -> list[tuple[str, int]]:
+        if self.etcd is not None:
+            return [(host, int(port)) for host, port in
+                    (e.rsplit(":", 1) for e in self.etcd.endpoints.split(","))]
+        return [("127.0.0.1", self.redis.port)]
+
+    def _proxied(self, member_name: str) -> tuple[list[TcpProxy], str]:
+        """Proxies in front of every store endpoint for one process, and its lease URL."""
+        proxies = [TcpProxy(host, port) for host, port in self._store_endpoints()]
+        self._proxies[member_name] = proxies
+        if self.etcd is not None:
+            url = "etcd://" + ",".join(f"127.0.0.1:{p.port}" for p in proxies)
+        else:
+            url = f"redis://127.0.0.1:{proxies[0].port}/0"
+        return proxies, url
 
     def env(self) -> dict[str, str]:
         return {
@@ -190,14 +240,23 @@ class Stack:
             self.etcd.start()
         env = self.env()
         logs = self.workdir / "logs"
+
+        def member(name: str, role: str, args: list[str]) -> Member:
+            proxies, url = self._proxied(name)
+            return Member(name, role, args, {**env, "SOAK_LEASE_URL": url}, logs,
+                          proxies=proxies)
+
         for i in range(self._n_beats):
             args = celery_args(APP, "beat", "-S", "celery_crawl.beat:LeasedScheduler",
                                "-l", "INFO", "-s", str(self.workdir / f"beat{i}-schedule"),
                                "--max-interval", "1")
-            self.beats.append(Member(f"beat{i}", "beat", args, env, logs))
+            self.beats.append(member(f"beat{i}", "beat", args))
+        stepped = self.beats[-1]
+        stepped.clock_file = self.workdir / f"{stepped.name}.faketime"
+        stepped.step_clock("+0")
         for i in range(self._n_workers):
             args = worker_args(APP, concurrency=self._concurrency, hostname=f"w{i}@soak")
-            self.workers.append(Member(f"w{i}", "worker", args, env, logs))
+            self.workers.append(member(f"w{i}", "worker", args))
         for m in [*self.workers, *self.beats]:
             m.start()
         return self
@@ -262,6 +321,9 @@ class Stack:
                     with contextlib.suppress(Exception):
                         m.proc.signal_group(signal.SIGCONT)
                         m.proc.stop(grace_s=0)
+        for proxies in self._proxies.values():
+            for proxy in proxies:
+                proxy.close()
         self.redis.cleanup()
         self.sink.cleanup()
         if self.etcd is not None:
