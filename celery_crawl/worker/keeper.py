@@ -341,9 +341,10 @@ class Keeper:
                 return False
             self._lease = None
             self._generation += 1
+            # Set with the generation: whoever reads the new state reads its reason.
+            self.losses += 1
+            self.last_loss = reason
             self._changed.notify_all()
-        self.losses += 1
-        self.last_loss = reason
         metrics.WORKER_LEASE_LOSSES.inc()
         logger.error("celery-crawl: worker lease lost: %s", reason)
         try:
