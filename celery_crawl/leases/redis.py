@@ -41,7 +41,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -191,22 +191,8 @@ class RedisLeaseStore:
         self._index_key = f"{self._prefix}claim-leases"
         self._channel = f"{self._prefix}lease-free"
         self._scripts = _load_scripts()
-        self._client_kwargs = parse_redis_url(url)
+        self._client = _client_factory(parse_redis_url(url))
         self._redis = self._client(self.timeout_s)
-
-    def _client(self, timeout_s: float) -> redis_lib.Redis:
-        return redis_lib.Redis(
-            **self._client_kwargs,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-            decode_responses=True,
-            # Foreign bytes must reach _loads (StoreDataError naming the key), not blow up in
-            # the reply parser.
-            encoding_errors="surrogateescape",
-            protocol=2,
-        )
 
     # -- plumbing ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -644,6 +630,27 @@ class RedisLeaseStore:
 
     def __repr__(self) -> str:
         return f"RedisLeaseStore({self.url!r}, namespace={self.namespace!r})"
+
+
+def _client_factory(kwargs: dict[str, Any]) -> Callable[[float], redis_lib.Redis]:
+    """Clients of one server with a given timeout; the connection arguments (credentials among
+    them) live in the closure, out of the store's ``vars()`` and ``repr``."""
+
+    def client(timeout_s: float) -> redis_lib.Redis:
+        return redis_lib.Redis(
+            **kwargs,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            decode_responses=True,
+            # Foreign bytes must reach _loads (StoreDataError naming the key), not blow up in
+            # the reply parser.
+            encoding_errors="surrogateescape",
+            protocol=2,
+        )
+
+    return client
 
 
 def _dumps(value: Mapping[str, Any], key: str) -> str:
