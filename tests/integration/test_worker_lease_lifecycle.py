@@ -189,7 +189,7 @@ def test_renewal_is_bounded_by_the_validity_left(proxied: tuple[LeaseStore, TcpP
     with pytest.raises(StoreTimeout, match=r"within 0\.4s"):
         store.renew(lease, timeout_s=0.4)
     took = boottime() - t0
-    assert 0.3 <= took < 1.5, took  # not the store's 5 s
+    assert 0.3 <= took < 2.5, took  # not the store's 5 s
     proxy.passthrough()
 
 
@@ -212,7 +212,7 @@ def test_loss_is_declared_at_the_deadline_while_a_renewal_hangs(
         deadline = held.valid_until
         wait_until(lambda: lost_at, deadline - boottime() + 6, what="the loss")
         late = lost_at[0] - deadline
-        assert -0.01 <= late < 0.5, f"loss declared {late:.2f}s after the local deadline"
+        assert 0 <= late < 1.0, f"loss declared {late:.2f}s after the local deadline"
         assert keeper.lease is None
     finally:
         proxy.passthrough()
