@@ -112,7 +112,10 @@ class TcpProxy:
     # -- plumbing ------------------------------------------------------------------------------
     def _accept(self) -> None:
         while not self._stop.is_set():
-            ready, _, _ = select.select([self._listener], [], [], _TICK_S * 5)
+            try:
+                ready, _, _ = select.select([self._listener], [], [], _TICK_S * 5)
+            except (OSError, ValueError):  # closed by close()
+                return
             if not ready:
                 continue
             try:

@@ -116,8 +116,11 @@ class LeaseStore(Protocol):
         """Take lease ``name`` if free (non-blocking); None while another holder has it."""
         ...
 
-    def renew(self, lease: Lease) -> Lease:
-        """Extend ``lease`` in one round trip. Raises ``LeaseLost`` if gone or held by another."""
+    def renew(self, lease: Lease, *, timeout_s: float | None = None) -> Lease:
+        """Extend ``lease`` in one round trip. Raises ``LeaseLost`` if gone or held by another.
+
+        ``timeout_s`` bounds this call below the store's timeout (a holder passes the validity
+        it has left: an answer later than that is useless, the lease is lost by then)."""
         ...
 
     def release(self, lease: Lease) -> None:

@@ -290,7 +290,7 @@ class EtcdLeaseStore:
 
     # -- plumbing ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _translate(self, what: str) -> Iterator[None]:
+    def _translate(self, what: str, timeout_s: float | None = None) -> Iterator[None]:
         """Map gRPC errors to the ``StoreError`` tree, naming the masked URL."""
         grpc = self._grpc
         if os.getpid() != self._pid:
@@ -306,7 +306,7 @@ class EtcdLeaseStore:
             detail = exc.details() if hasattr(exc, "details") else str(exc)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise StoreTimeout(f"{self.url}: {what} did not answer within "
-                                   f"{self.timeout_s:g}s") from exc
+                                   f"{timeout_s or self.timeout_s:g}s") from exc
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED,
                         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.CANCELLED):
                 raise StoreUnavailable(f"{self.url}: {what}: {detail}") from exc
@@ -408,12 +408,14 @@ class EtcdLeaseStore:
                 if "not found" not in str(exc):
                     raise
 
-    def _keepalive(self, lease_id: int) -> int:
+    def _keepalive(self, lease_id: int, timeout_s: float | None = None) -> int:
         """One keepalive on its own stream (one round trip); the TTL etcd answered."""
         req = self._rpc.LeaseKeepAliveRequest(ID=lease_id)
-        with self._translate("lease keepalive"):
+        bound = self.timeout_s if timeout_s is None else max(0.001, min(timeout_s,
+                                                                        self.timeout_s))
+        with self._translate("lease keepalive", bound):
             self.round_trips += 1
-            call = self._lease_stub.LeaseKeepAlive(iter([req]), timeout=self.timeout_s,
+            call = self._lease_stub.LeaseKeepAlive(iter([req]), timeout=bound,
                                                    metadata=self._metadata)
             try:
                 for resp in call:
@@ -456,12 +458,12 @@ class EtcdLeaseStore:
                      ttl_s=float(left), valid_until=t_send + left * (1 - DRIFT) - MARGIN_S,
                      handle=int(existing.lease))
 
-    def renew(self, lease: Lease) -> Lease:
+    def renew(self, lease: Lease, *, timeout_s: float | None = None) -> Lease:
         """One keepalive; a TTL <= 0 in the reply means the lease is gone."""
         if lease.handle is None:
             raise LeaseLost(f"{self.url}: lease {lease.name!r} has no etcd lease id")
         t_send = self._now()
-        left = self._keepalive(lease.handle)
+        left = self._keepalive(lease.handle, timeout_s)
         if left <= 0:
             raise LeaseLost(f"{self.url}: lease {lease.name!r} (token {lease.token}) expired")
         return Lease(name=lease.name, holder=lease.holder, token=lease.token,

@@ -41,7 +41,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -191,28 +191,18 @@ class RedisLeaseStore:
         self._index_key = f"{self._prefix}claim-leases"
         self._channel = f"{self._prefix}lease-free"
         self._scripts = _load_scripts()
-        self._redis = redis_lib.Redis(
-            **parse_redis_url(url),
-            socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-            decode_responses=True,
-            # Foreign bytes must reach _loads (StoreDataError naming the key), not blow up in
-            # the reply parser.
-            encoding_errors="surrogateescape",
-            protocol=2,
-        )
+        self._client = _client_factory(parse_redis_url(url))
+        self._redis = self._client(self.timeout_s)
 
     # -- plumbing ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _translate(self, what: str) -> Iterator[None]:
+    def _translate(self, what: str, timeout_s: float | None = None) -> Iterator[None]:
         """Map every redis-py error to the ``StoreError`` tree, naming the masked URL."""
         try:
             yield
         except redis_lib.exceptions.TimeoutError as exc:
             raise StoreTimeout(
-                f"{self.url}: {what} did not answer within {self.timeout_s:g}s"
+                f"{self.url}: {what} did not answer within {timeout_s or self.timeout_s:g}s"
             ) from exc
         except redis_lib.exceptions.ConnectionError as exc:
             raise StoreUnavailable(f"{self.url}: {what}: {exc}") from exc
@@ -235,26 +225,42 @@ class RedisLeaseStore:
         return f"{self._prefix}{kind}:{name}"
 
     def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any], *,
-              wait: bool = False) -> tuple[Any, int | None]:
+              wait: bool = False, timeout_s: float | None = None) -> tuple[Any, int | None]:
         """Run script ``name`` in one round trip (plus ``WAIT`` when asked and configured).
 
         Returns the script's reply and the number of replicas that acknowledged (None when no
         ``WAIT`` was sent). Every script is loaded on first use, in one round trip; a NOSCRIPT
         reply (a restarted or failed-over server) reloads them and retries once.
+
+        ``timeout_s`` below the store's timeout runs the call on a connection of its own with
+        that bound (connect included), closed afterwards: the pooled connections keep theirs.
         """
+        if timeout_s is not None and timeout_s < self.timeout_s:
+            bounded = self._client(max(0.001, timeout_s))
+            try:
+                return self._eval_on(bounded, name, keys, args, wait=wait, timeout_s=timeout_s)
+            finally:
+                with contextlib.suppress(redis_lib.RedisError, OSError):
+                    bounded.close()
+        return self._eval_on(self._redis, name, keys, args, wait=wait, timeout_s=None)
+
+    def _eval_on(self, client: redis_lib.Redis, name: str, keys: Sequence[str],
+                 args: Sequence[Any], *, wait: bool,
+                 timeout_s: float | None) -> tuple[Any, int | None]:
         script = self._scripts[name]
         use_wait = wait and self.wait_replicas > 0
-        with self._translate(name):
+        timeout = timeout_s or self.timeout_s
+        with self._translate(name, timeout_s):
             for attempt in (0, 1):
                 if script.sha is None:
-                    self._load_all()
-                pipe = self._redis.pipeline(transaction=False)
+                    self._load_all(client)
+                pipe = client.pipeline(transaction=False)
                 pipe.evalsha(script.sha or "", len(keys), *keys, *args)
                 if use_wait:
                     # WAIT gets half the socket timeout, so its (possibly short) count arrives
                     # before the read times out and the call still ends within timeout_s.
                     pipe.execute_command(
-                        "WAIT", self.wait_replicas, max(1, int(self.timeout_s * 500))
+                        "WAIT", self.wait_replicas, max(1, int(timeout * 500))
                     )
                 self.round_trips += 1
                 replies = pipe.execute(raise_on_error=False)
@@ -273,9 +279,9 @@ class RedisLeaseStore:
                 return first, acked
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _load_all(self) -> None:
+    def _load_all(self, client: redis_lib.Redis | None = None) -> None:
         """``SCRIPT LOAD`` every script in one round trip, so no later call pays for it."""
-        pipe = self._redis.pipeline(transaction=False)
+        pipe = (client or self._redis).pipeline(transaction=False)
         pipe.info("cluster")
         for script in self._scripts.values():
             pipe.script_load(script.source)
@@ -336,13 +342,13 @@ class RedisLeaseStore:
         return Lease(name=name, holder=holder, token=int(reply[0]), ttl_s=ttl_ms / 1000,
                      valid_until=self._valid_until(t_send, ttl_ms / 1000))
 
-    def renew(self, lease: Lease) -> Lease:
+    def renew(self, lease: Lease, *, timeout_s: float | None = None) -> Lease:
         """Extend ``lease`` in one round trip (one script on the lease key only)."""
         ttl_ms = self._ttl_ms(lease.ttl_s)
         t_send = self._now()
         reply, acked = self._eval(
             "renew", [self._k("lease", lease.name)], [lease.holder, lease.token, ttl_ms],
-            wait=True,
+            wait=True, timeout_s=timeout_s,
         )
         if reply != 1:
             raise LeaseLost(f"{self.url}: lease {lease.name!r} (token {lease.token}) is gone "
@@ -624,6 +630,27 @@ class RedisLeaseStore:
 
     def __repr__(self) -> str:
         return f"RedisLeaseStore({self.url!r}, namespace={self.namespace!r})"
+
+
+def _client_factory(kwargs: dict[str, Any]) -> Callable[[float], redis_lib.Redis]:
+    """Clients of one server with a given timeout; the connection arguments (credentials among
+    them) live in the closure, out of the store's ``vars()`` and ``repr``."""
+
+    def client(timeout_s: float) -> redis_lib.Redis:
+        return redis_lib.Redis(
+            **kwargs,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            decode_responses=True,
+            # Foreign bytes must reach _loads (StoreDataError naming the key), not blow up in
+            # the reply parser.
+            encoding_errors="surrogateescape",
+            protocol=2,
+        )
+
+    return client
 
 
 def _dumps(value: Mapping[str, Any], key: str) -> str:

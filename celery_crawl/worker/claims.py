@@ -153,10 +153,25 @@ class ClaimBook:
             return list(self._by_tag.values())
 
     def take_all(self) -> list[Held]:
-        """Remove and return every hold (on lease loss)."""
+        """Remove and return every hold (at shutdown)."""
         with self._lock:
             out = list(self._by_tag.values())
             self._by_tag.clear()
+            return out
+
+    def take_not_of(self, lease_name: str | None) -> list[Held]:
+        """Remove and return the holds that do not belong to lease ``lease_name`` (on a loss).
+
+        A claimed hold belongs to the lease its claim was made under (``Held.lease_name``); a
+        parked hold (no claim) belongs to whichever lease is held, so it is taken only when
+        ``lease_name`` is None. A delivery claimed under a lease taken after a loss is
+        therefore never released by that loss, however late the loss is applied.
+        """
+        with self._lock:
+            out = [h for h in self._by_tag.values()
+                   if (lease_name is None if h.parked else h.lease_name != lease_name)]
+            for held in out:
+                del self._by_tag[held.key]
             return out
 
     def tags(self) -> list[Any]:

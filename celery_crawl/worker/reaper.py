@@ -16,15 +16,19 @@ held the reaper lease; otherwise one interval earlier) and before this one; the 
 window minus the lease's TTL is its last renewal (``claims.estimate_death``). The worker that
 runs the task next observes the preemption latency from it.
 
-Grace: an orphaned claim is reaped only once it has been seen orphaned for ``ORPHAN_GRACE_S``
-(a claim seen for the first time makes the next pass come that much later, not a whole
-interval). After an outage of the store that every worker lost, the leases of all of them
-expired at once; the grace lets a worker whose task had finished its body during the outage
-record that end (ack, tombstone) before its claim is reaped and the task run again.
+Grace: an orphaned claim is reaped only once it has been seen orphaned for the grace
+(``orphan_grace(crawl_store_timeout)``; a claim seen for the first time makes the next pass come
+that much later, not a whole interval). The grace is what keeps a task from running on two
+workers at once: a worker cut off from the store stops its tasks at its local deadline, which
+comes before the store expires its lease, plus at most one store call on its event loop
+(``crawl_store_timeout``) and a little scheduling; the grace covers that, stretched by the clock
+drift (the inequality is in docs/design.md, "Worker lease loss"). After an outage of the store
+that every worker lost, the leases of all of them expired at once; the grace also lets a worker
+whose task had finished its body during the outage record that end (ack, tombstone) before its
+claim is reaped and the task run again.
 
 Bound (Redis broker): a task of a worker killed at time T runs elsewhere by about
-``T + ttl + reaper_interval + ORPHAN_GRACE_S`` (+ one renewal interval of slack, + queue
-wait).
+``T + ttl + reaper_interval + grace`` (+ one renewal interval of slack, + queue wait).
 """
 
 from __future__ import annotations
@@ -37,15 +41,31 @@ from typing import Any
 
 from .. import keys, metrics
 from ..errors import LeaseLost, StoreError
-from ..leases.base import Claim, Lease, LeaseStore
+from ..leases.base import DRIFT, Claim, Lease, LeaseStore
 from .broker import BrokerOps
 from .claims import estimate_death, lenient_float, record_requeues
 from .keeper import boottime
 
-__all__ = ["ORPHAN_GRACE_S", "Reaper"]
+__all__ = ["ACT_SLACK_S", "ORPHAN_GRACE_S", "Reaper", "orphan_grace"]
 
-#: How long a claim must have been seen orphaned before it is reaped.
-ORPHAN_GRACE_S = 1.0
+#: What a worker may take, beyond one store call on its event loop, between its local lease
+#: deadline and its tasks being stopped: the watchdog's wakeup, the loop's own work, the kill.
+ACT_SLACK_S = 0.5
+
+
+def orphan_grace(store_timeout_s: float) -> float:
+    """How long a claim must have been seen orphaned before it is reaped.
+
+    ``(store_timeout + ACT_SLACK_S) / (1 - DRIFT)``: a worker that lost its lease stops its
+    tasks within ``store_timeout + ACT_SLACK_S`` of its local deadline, which is no later than
+    the store's expiry; the reaper's grace, measured on its own clock, must outlast that on the
+    loser's clock (docs/design.md, "Worker lease loss").
+    """
+    return (store_timeout_s + ACT_SLACK_S) / (1 - DRIFT)
+
+
+#: The grace with the default ``crawl_store_timeout`` (2 s).
+ORPHAN_GRACE_S = orphan_grace(2.0)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +81,8 @@ class Reaper:
         interval_s: ``crawl_reaper_interval``.
         done_ttl_s: how long delivery counts are kept.
         limit: claims handled per pass.
+        grace_s: how long a claim must have been seen orphaned before it is reaped
+            (``orphan_grace(crawl_store_timeout)``).
     """
 
     def __init__(
@@ -74,6 +96,7 @@ class Reaper:
         done_ttl_s: float,
         limit: int = 1000,
         clock: Callable[[], float] = boottime,
+        grace_s: float = ORPHAN_GRACE_S,
     ) -> None:
         self.store = store
         self.broker = broker
@@ -83,6 +106,7 @@ class Reaper:
         self.done_ttl_s = done_ttl_s
         self.limit = limit
         self.clock = clock
+        self.grace_s = grace_s
         self._lease: Lease | None = None
         self._next = 0.0
         #: UNIX time of this reaper's last complete pass while it held the lease since.
@@ -137,9 +161,9 @@ class Reaper:
         first = (now, found_at, self._last_pass_at)
         seen = {(c.key, c.token): self._seen.get((c.key, c.token), first) for c in found}
         self._seen = seen
-        claims = [c for c in found if now - seen[(c.key, c.token)][0] >= ORPHAN_GRACE_S]
+        claims = [c for c in found if now - seen[(c.key, c.token)][0] >= self.grace_s]
         if len(claims) < len(found):  # some seen for the first time: look again after the grace
-            self._next = min(self._next, now + ORPHAN_GRACE_S)
+            self._next = min(self._next, now + self.grace_s)
         if not claims:
             if not found:
                 self._last_pass_at = read_at

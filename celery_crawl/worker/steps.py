@@ -9,6 +9,13 @@ it re-checks parked duplicates on the consumer's timer.
 Everything that touches the consumer, the pool or a kombu message runs on the event loop
 (``hub.call_soon`` from the renewal thread); completion writes may also run on a threads-pool
 thread (Celery acks from there).
+
+Lease changes reach the loop as "look again", never as events to replay: the hub runs its ready
+callbacks in no particular order, so a loss and the re-acquisition after it may run in either
+order. ``_reconcile`` reads the keeper's current generation and, once per generation, brings
+the worker to that state: consuming iff a lease is held, and every delivery claimed under a
+lease other than the current one released. It makes no store call (the loop must not wait on
+the store for a lease change).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from .claims import ClaimBook, Claimer, Decision, Held, Outcome, lenient_int
 from .context import CLAIM_HEADER
 from .guards import check_beat, check_memory, check_pool
 from .keeper import Keeper
-from .reaper import Reaper
+from .reaper import Reaper, orphan_grace
 
 __all__ = ["ClaimStep", "LeaseStep"]
 
@@ -90,6 +97,11 @@ class LeaseStep(bootsteps.StartStopStep):
         self.poisoned = 0
         self._closed = False
         self._unprotected: set[str] = set()
+        #: The keeper generation last brought about on the loop (``_reconcile``).
+        self._applied_generation = 0
+        self._reconcile_lock = threading.RLock()
+        #: The lease the last claim decision on this thread was made under.
+        self._decided = threading.local()
         # Before the pool forks (our start runs after it), so every child inherits the path.
         finishing.setup()
         w.crawl_lease = self
@@ -100,18 +112,18 @@ class LeaseStep(bootsteps.StartStopStep):
         self.store = _open_store(config)
         self.broker = broker_ops(self.app, timeout_s=max(2.0, config.store_timeout_s))
         self.keeper = Keeper(self.store, ttl_s=config.worker_lease_ttl_s,
-                             on_lost=self._lost_from_thread,
-                             on_acquired=self._acquired_from_thread)
+                             on_change=self._changed_from_thread)
         self.reaper = Reaper(
             self.store, self.broker, holder=lambda: self.keeper.holder if self.keeper else "",
             ttl_s=config.worker_lease_ttl_s, interval_s=config.reaper_interval_s,
-            done_ttl_s=config.done_ttl_s)
+            done_ttl_s=config.done_ttl_s, grace_s=orphan_grace(config.store_timeout_s))
         self.keeper.hooks = [self._refresh_unacked, self._drain_backlog, self.reaper]
-        self.claimer = Claimer(self.store, lambda: self.keeper.lease if self.keeper else None,
+        self.claimer = Claimer(self.store, self._claim_lease,
                                max_deliveries=config.max_deliveries,
                                done_ttl_s=config.done_ttl_s, worker=self.hostname,
                                recheck_s=self._recheck_s)
         lease = self.keeper.acquire_blocking(timeout_s=max(config.worker_lease_ttl_s, 5.0))
+        self._applied_generation = self.keeper.state().generation
         self.keeper.start()
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_addr)
         self._warn_acks_early()
@@ -168,6 +180,8 @@ class LeaseStep(bootsteps.StartStopStep):
             # redelivers them), so their claims must go too or the copies would park forever.
             self._forget_unstarted(everything=False)
         self.consumer = c
+        # Celery's Tasks step has just started consuming on the new channel.
+        self.consuming = True
         for name in list(c.strategies):
             c.strategies[name] = self._wrap(name, c.strategies[name])
         c._crawl_recheck = c.timer.call_repeatedly(self._recheck_s, self._recheck_parked)
@@ -175,6 +189,7 @@ class LeaseStep(bootsteps.StartStopStep):
             self.config.on_lease_loss == "cancel"
         ):
             self._stop_consuming(c, "no worker lease held")
+        self._reconcile()
 
     @property
     def _recheck_s(self) -> float:
@@ -259,9 +274,17 @@ class LeaseStep(bootsteps.StartStopStep):
         crawl_claimed_strategy.__wrapped__ = original  # type: ignore[attr-defined]
         return crawl_claimed_strategy
 
+    def _claim_lease(self) -> Lease | None:
+        """The lease for ``Claimer`` (read once per decision), remembered per thread so the
+        hold records the lease its claim is bound to."""
+        lease = self.keeper.lease if self.keeper else None
+        self._decided.lease = lease
+        return lease
+
     def _decide(self, held: Held) -> None:
         assert self.claimer is not None
         first = not held.parked
+        self._decided.lease = None
         try:
             decision = self.claimer.decide(
                 held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
@@ -296,12 +319,13 @@ class LeaseStep(bootsteps.StartStopStep):
                                "(not run, not acked) until that claim ends",
                                held.extra["task"], held.task_id, decision.holder)
         else:
-            keeper_lease = self.keeper.lease if self.keeper else None
+            # The lease the claim was made under (the keeper may hold a newer one by now).
+            claimed_under: Lease | None = getattr(self._decided, "lease", None)
             held.parked = False
             held.token = decision.token
             held.deliveries = decision.deliveries
-            held.lease_name = keeper_lease.name if keeper_lease else None
-            held.holder = keeper_lease.holder if keeper_lease else None
+            held.lease_name = claimed_under.name if claimed_under else None
+            held.holder = claimed_under.holder if claimed_under else None
             self.book.add(held)
             if not first:
                 metrics.WORKER_DUPLICATES_PARKED.labels("run").inc()
@@ -481,32 +505,56 @@ class LeaseStep(bootsteps.StartStopStep):
         else:
             fn(*args)
 
-    def _lost_from_thread(self, reason: str) -> None:
-        self._in_loop(self._on_lease_lost, reason)
+    def _changed_from_thread(self) -> None:
+        self._in_loop(self._reconcile)
 
-    def _acquired_from_thread(self, lease: Lease) -> None:
-        self._in_loop(self._on_lease_acquired, lease)
+    def _reconcile(self) -> None:
+        """Bring the worker to the keeper's current lease generation (once per generation).
 
-    def _on_lease_lost(self, reason: str) -> None:
-        if self.config.on_lease_loss == "continue":
-            logger.error("celery-crawl: crawl_on_lease_loss=continue: %d claimed task(s) keep "
-                         "running unprotected (their claims are orphaned and may be recovered "
-                         "elsewhere)", len(self.book))
+        Idempotent and order-free: any number of notifications, run in any order, end in the
+        state of the latest generation. A loss and a re-acquisition applied together release the
+        deliveries of the lost lease and keep consuming; those claimed under the new lease stay.
+        """
+        keeper = self.keeper
+        if keeper is None:
             return
-        c = self.consumer
-        if c is not None:
-            self._stop_consuming(c, reason)
+        with self._reconcile_lock:
+            state = keeper.state()
+            if state.generation == self._applied_generation:
+                return
+            self._applied_generation = state.generation
+            lease = state.lease
+            reason = keeper.last_loss or "the worker lease was lost"
+            if self.config.on_lease_loss == "continue":
+                if lease is None:
+                    logger.error(
+                        "celery-crawl: crawl_on_lease_loss=continue: %d claimed task(s) keep "
+                        "running unprotected (their claims are orphaned and may be recovered "
+                        "elsewhere)", len(self.book))
+                return
+            c = self.consumer
+            if lease is None and c is not None and self.consuming:
+                self._stop_consuming(c, reason)
+            self._fence_lost(lease, reason)
+            if lease is not None:
+                self._resume_consuming(lease)
+
+    def _fence_lost(self, lease: Lease | None, reason: str) -> None:
+        """Cancel and release every delivery not held under ``lease`` (None: every one)."""
+        stale = self.book.take_not_of(lease.name if lease is not None else None)
+        if not stale:
+            return
         # A task whose body has returned and that is only writing its result is kept: killing
         # it would not undo its work, only run it again. Its end is recorded (or, if its
         # claim was reaped meanwhile, forgotten here) when its result write returns.
         ending: list[Held] = []
         fenced: list[Held] = []
-        for held in self.book.take_all():
+        for held in stale:
             kept = not held.parked and finishing.finished(held.task_id)
             (ending if kept else fenced).append(held)
         for held in ending:
             self.book.add(held)
-        metrics.WORKER_CLAIMS.set(len(ending))
+        metrics.WORKER_CLAIMS.set(len(self.book))
         # A store we cannot reach may have lost our claims (and the delivery tags they record)
         # or be unreachable for the reaper too: requeue ourselves. A store that answered "lost"
         # (or a freeze) means the reaper can see our orphaned claims and restores each tag once.
@@ -520,22 +568,27 @@ class LeaseStep(bootsteps.StartStopStep):
                 cancelled += self._cancel_request(held)
             self._release(held, reason, requeue=requeue)
         logger.error(
-            "celery-crawl: lease lost (%s): stopped consuming, cancelled %d running/reserved "
-            "task(s) without acking, released %d delivery(ies), kept %d whose body had "
-            "returned (their results are being written); resuming once a new lease is held",
-            reason, cancelled, len(fenced), len(ending))
+            "celery-crawl: lease lost (%s): %s, cancelled %d running/reserved task(s) without "
+            "acking, released %d delivery(ies), kept %d whose body had returned (their results "
+            "are being written); %s", reason,
+            "stopped consuming" if lease is None else "kept consuming",
+            cancelled, len(fenced), len(ending),
+            "resuming once a new lease is held" if lease is None
+            else f"deliveries under the new lease {lease.name} are kept")
 
-    def _on_lease_acquired(self, lease: Lease) -> None:
+    def _resume_consuming(self, lease: Lease) -> None:
         c = self.consumer
-        if c is not None and not self.consuming:
-            task_consumer = getattr(c, "task_consumer", None)
-            if task_consumer is not None:
-                try:
-                    task_consumer.consume()
-                    self.consuming = True
-                    logger.warning("celery-crawl: consuming again under lease %s", lease.name)
-                except Exception:  # the consumer restarts on connection errors
-                    logger.exception("celery-crawl: resuming consumption failed")
+        if c is None or self.consuming:
+            return
+        task_consumer = getattr(c, "task_consumer", None)
+        if task_consumer is None:
+            return
+        try:
+            task_consumer.consume()
+            self.consuming = True
+            logger.warning("celery-crawl: consuming again under lease %s", lease.name)
+        except Exception:  # the consumer restarts on connection errors
+            logger.exception("celery-crawl: resuming consumption failed")
 
     def _stop_consuming(self, c: Any, reason: str) -> None:
         task_consumer = getattr(c, "task_consumer", None)

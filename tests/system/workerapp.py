@@ -8,7 +8,8 @@ Configured from the environment so one module serves every pool x broker x store
 * ``CRAWL_T_VT`` — Redis ``visibility_timeout`` (with the restore sweep every second);
 * ``CRAWL_T_SINK`` — Redis URL of the fenced sink the tasks write to;
 * ``CRAWL_T_STOCK=1`` — stock Celery with ``acks_late`` only (benchmark baseline);
-* ``CRAWL_T_MAX_DELIVERIES``, ``CRAWL_T_ON_LOSS`` — the corresponding ``crawl_*`` settings;
+* ``CRAWL_T_MAX_DELIVERIES``, ``CRAWL_T_ON_LOSS``, ``CRAWL_T_STORE_TIMEOUT`` — the
+  corresponding ``crawl_*`` settings;
 * ``CRAWL_T_BACKEND_TIMEOUT`` — the result backend's socket timeout (its writes then retry
   every 3 s).
 
@@ -57,7 +58,7 @@ else:
         crawl_max_deliveries=int(_env("CRAWL_T_MAX_DELIVERIES", "5")),
         crawl_on_lease_loss=_env("CRAWL_T_ON_LOSS", "cancel"),
         crawl_done_ttl=600,
-        crawl_store_timeout=1.0,
+        crawl_store_timeout=float(_env("CRAWL_T_STORE_TIMEOUT", "1")),
     )
     if _env("CRAWL_T_REAPER"):
         app.conf.crawl_reaper_interval = float(_env("CRAWL_T_REAPER", "1"))
@@ -101,6 +102,24 @@ def work(self: Any, key: str, seconds: float = 0.0) -> bool:
     client.rpush(f"started:{key}", json.dumps(run))
     # Counted steps, not a deadline: time spent frozen (SIGSTOP) does not count as work done.
     for _ in range(round(seconds / 0.02)):
+        time.sleep(0.02)
+    accepted = bool(client.eval(_FENCED_WRITE, 2, f"commit:{key}", f"refused:{key}",
+                                token if token is not None else 0, json.dumps(run)))
+    client.rpush(f"finished:{key}", json.dumps({**run, "accepted": accepted, "t": time.time()}))
+    return accepted
+
+
+@app.task(bind=True, name="crawltest.pulse")
+def pulse(self: Any, key: str, seconds: float = 0.0) -> bool:
+    """``work`` that also records a heartbeat every 20 ms in ``pulse:<key>`` (host, time): two
+    runs overlapped iff one's heartbeats continue after the other started."""
+    token = current_claim()
+    run = {"token": token, "host": self.request.hostname, "pid": os.getpid(), "t": time.time(),
+           "id": self.request.id}
+    client = sink()
+    client.rpush(f"started:{key}", json.dumps(run))
+    for _ in range(round(seconds / 0.02)):
+        client.rpush(f"pulse:{key}", json.dumps({"host": run["host"], "t": time.time()}))
         time.sleep(0.02)
     accepted = bool(client.eval(_FENCED_WRITE, 2, f"commit:{key}", f"refused:{key}",
                                 token if token is not None else 0, json.dumps(run)))

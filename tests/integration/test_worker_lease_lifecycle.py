@@ -1,0 +1,219 @@
+"""The worker lease's life cycle against a real Redis (and etcd) store: loss and re-acquisition
+applied in any order, loss at the local deadline while a renewal hangs, renewals bounded by the
+validity left.
+
+The consumer side runs the real ``LeaseStep`` (real store, real keeper threads, real claims);
+only Celery's event loop is replaced by a queue of callbacks the test runs when, and in the
+order, it chooses, so a loss and the re-acquisition after it are both pending at once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+
+from celery import Celery, signals
+
+from celery_crawl import keys
+from celery_crawl.errors import StoreTimeout
+from celery_crawl.leases import open_store
+from celery_crawl.leases.base import Lease, LeaseStore
+from celery_crawl.worker.keeper import Keeper, boottime
+from celery_crawl.worker.steps import LeaseStep
+from tests.servers import EtcdServer, RedisServer, wait_until
+from tests.tcpproxy import TcpProxy
+
+TTL_S = 3.0
+
+
+class QueuedHub:
+    """Celery's hub as far as the lease step uses it, except that nothing runs by itself."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self._lock = threading.Lock()
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            self.pending.append((fn, args))
+
+    def run_reversed(self) -> int:
+        """Run what is pending, newest first (an order kombu's ready set may choose)."""
+        with self._lock:
+            todo, self.pending = self.pending, []
+        for fn, args in reversed(todo):
+            fn(*args)
+        return len(todo)
+
+
+class TaskConsumer:
+    def __init__(self) -> None:
+        self.consuming = True
+
+    def cancel(self) -> None:
+        self.consuming = False
+
+    def consume(self) -> None:
+        self.consuming = True
+
+
+class Message:
+    """A delivery as the claim strategy sees it (headers, tag, settle calls recorded)."""
+
+    def __init__(self, task_id: str, tag: int) -> None:
+        self.headers: dict[str, Any] = {"id": task_id, "retries": 0}
+        self.delivery_info = {"routing_key": "q", "exchange": ""}
+        self.delivery_tag = tag
+        self.acknowledged = False
+        self.rejected: list[bool] = []
+
+    def reject(self, requeue: bool = False) -> None:
+        self.acknowledged = True
+        self.rejected.append(requeue)
+
+
+@pytest.fixture
+def step(redis_server: RedisServer) -> Iterator[tuple[LeaseStep, Any, RedisServer]]:
+    app = Celery("lifecycle", broker="memory://", set_as_current=False)
+    app.conf.update(crawl_lease_url=redis_server.url, crawl_namespace=f"lc{uuid.uuid4().hex[:8]}",
+                    crawl_worker_lease_ttl=TTL_S, crawl_store_timeout=1.0)
+    hub = QueuedHub()
+    worker = SimpleNamespace(app=app, pool_cls="threads", hostname="lc@localhost", hub=hub,
+                             pool=None)
+    lease_step = LeaseStep(worker)
+    lease_step.start(worker)
+    consumer = SimpleNamespace(
+        strategies={}, task_consumer=TaskConsumer(), connection=None, connection_errors=(),
+        timer=SimpleNamespace(call_repeatedly=lambda *a: SimpleNamespace(cancel=lambda: None)),
+        on_connection_error_after_connected=lambda exc: None)
+    lease_step.attach(consumer)
+    try:
+        yield lease_step, consumer, redis_server
+    finally:
+        signals.worker_shutdown.disconnect(lease_step._on_worker_shutdown)
+        lease_step.release()
+
+
+def _deliver(step: LeaseStep, task_id: str, tag: int, started: list[str]) -> Message:
+    """Hand one delivery to the claim strategy, as Celery's consumer does."""
+
+    def original(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
+                 **kw: Any) -> None:
+        started.append(message.headers["id"])
+
+    strategy = step._wrap("crawltest.work", original)
+    message = Message(task_id, tag)
+    strategy(message, None, lambda *a, **k: None, lambda *a, **k: None, None)
+    return message
+
+
+def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lease(
+    step: tuple[LeaseStep, Any, RedisServer],
+) -> None:
+    """The loss of lease 1 and the acquisition of lease 2 reach the loop together and run
+    newest first. The worker must end consuming, with the delivery claimed under lease 2 still
+    held (its claim alive) and only lease 1's delivery released."""
+    lease_step, consumer, server = step
+    keeper, store = lease_step.keeper, lease_step.store
+    assert keeper is not None and store is not None
+    hub: QueuedHub = lease_step.worker.hub
+    started: list[str] = []
+    first = keeper.lease
+    assert first is not None
+    old = _deliver(lease_step, "t-old", 1, started)
+    assert started == ["t-old"]
+    # The store forgets the lease: the next renewal is refused, the one after takes lease 2.
+    assert server.client().delete(f"{store.namespace}:lease:{first.name}") == 1
+    second = wait_until(
+        lambda: (lease := keeper.lease) is not None and lease.name != first.name and lease,
+        5 * TTL_S, what="the keeper lost lease 1 and holds lease 2")
+    assert isinstance(second, Lease) and keeper.losses == 1
+    # Lease 2 is held but the loop has not run yet: a new delivery is claimed under lease 2.
+    new = _deliver(lease_step, "t-new", 2, started)
+    assert started == ["t-old", "t-new"]
+    claim = store.claimant(keys.task_claim("t-new"))
+    assert claim is not None and claim.alive and claim.lease_name == second.name
+    assert hub.run_reversed() >= 2  # the acquisition's notification first, then the loss's
+    assert consumer.task_consumer.consuming, "consumption stayed cancelled under a valid lease"
+    assert lease_step.consuming
+    held = [h.task_id for h in lease_step.book.snapshot()]
+    assert held == ["t-new"], held
+    assert old.rejected and not new.rejected
+    claim = store.claimant(keys.task_claim("t-new"))
+    assert claim is not None and claim.alive
+    # Running everything again (a late duplicate notification) changes nothing.
+    hub.call_soon(lease_step._reconcile)
+    hub.run_reversed()
+    assert consumer.task_consumer.consuming and [h.task_id for h in lease_step.book.snapshot()] \
+        == ["t-new"]
+
+
+# -- loss at the local deadline, renewals bounded by the validity left --------------------------
+
+
+@pytest.fixture(params=["redis", "etcd"])
+def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[LeaseStore, TcpProxy]]:
+    """A store (5 s timeout) reached through a TCP proxy the test can black-hole."""
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        proxy = TcpProxy("127.0.0.1", server.port)
+        url = f"redis://127.0.0.1:{proxy.port}/0"
+    else:
+        etcd: EtcdServer = request.getfixturevalue("etcd_server")
+        proxy = TcpProxy("127.0.0.1", etcd.client_port)
+        url = f"etcd://127.0.0.1:{proxy.port}"
+    store = open_store(url, namespace=f"lp{uuid.uuid4().hex[:8]}", timeout_s=5.0)
+    try:
+        yield store, proxy
+    finally:
+        proxy.passthrough()
+        store.close()
+        proxy.close()
+
+
+def test_renewal_is_bounded_by_the_validity_left(proxied: tuple[LeaseStore, TcpProxy]) -> None:
+    store, proxy = proxied
+    lease = store.acquire("worker:bounded", TTL_S, "h1")
+    assert lease is not None
+    store.renew(lease)
+    proxy.black_hole()
+    t0 = boottime()
+    with pytest.raises(StoreTimeout, match=r"within 0\.4s"):
+        store.renew(lease, timeout_s=0.4)
+    took = boottime() - t0
+    assert 0.3 <= took < 2.5, took  # not the store's 5 s
+    proxy.passthrough()
+
+
+def test_loss_is_declared_at_the_deadline_while_a_renewal_hangs(
+    proxied: tuple[LeaseStore, TcpProxy],
+) -> None:
+    """The store stops answering (black hole; its timeout is 5 s, longer than the TTL). The
+    keeper must declare the loss at its local deadline, not when the hung renewal returns."""
+    store, proxy = proxied
+    lost_at: list[float] = []
+    keeper = Keeper(store, ttl_s=TTL_S, on_lost=lambda reason: lost_at.append(boottime()))
+    lease = keeper.acquire_blocking(10)
+    keeper.start()
+    try:
+        # Right after a successful renewal: the deadline is known exactly.
+        wait_until(lambda: keeper.renew_ok >= 1, 3 * TTL_S, what="a renewal")
+        proxy.black_hole()
+        held = keeper.lease
+        assert held is not None and held.valid_until >= lease.valid_until
+        deadline = held.valid_until
+        wait_until(lambda: lost_at, deadline - boottime() + 6, what="the loss")
+        late = lost_at[0] - deadline
+        assert 0 <= late < 1.0, f"loss declared {late:.2f}s after the local deadline"
+        assert keeper.lease is None
+    finally:
+        proxy.passthrough()
+        keeper.stop(release=False)
