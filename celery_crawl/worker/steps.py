@@ -37,6 +37,7 @@ from .context import CLAIM_HEADER
 from .guards import check_beat, check_memory, check_pool
 from .keeper import Keeper
 from .reaper import Reaper
+from .stats import flat_stats
 
 __all__ = ["ClaimStep", "LeaseStep"]
 
@@ -608,8 +609,8 @@ class LeaseStep(bootsteps.StartStopStep):
 
     # -- visibility ------------------------------------------------------------------------
     def info(self, w: Any) -> dict[str, Any]:
-        """Merged into ``celery inspect stats`` (and so Flower's worker page)."""
-        return {"crawl_lease": self.status()}
+        """Merged into ``celery inspect stats``: flat rows, so Flower's worker page shows them."""
+        return flat_stats(self.status())
 
     def status(self) -> dict[str, Any]:
         claimed, parked = self.book.counts()
