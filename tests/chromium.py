@@ -97,13 +97,13 @@ class _Cells(HTMLParser):
             self.in_caption = True
         elif self.depth and tag == "tr":
             self.rows.append([])
-        elif self.depth and tag in ("td", "th"):
+        elif self.depth and tag == "td":
             self.cell, self.field = [], a.get("data-field")
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "caption":
             self.in_caption = False
-        elif self.depth and tag in ("td", "th") and self.cell is not None:
+        elif self.depth and tag == "td" and self.cell is not None:
             self.rows[-1].append((self.field, " ".join("".join(self.cell).split())))
             self.cell = None
         elif self.depth and tag == "table":
@@ -124,7 +124,7 @@ class _Cells(HTMLParser):
 def cells(dom: str, *, table_id: str | None = None,
           caption: str | None = None) -> list[list[tuple[str | None, str]]]:
     """Rows of the table with ``id`` ``table_id`` (or whose caption holds ``caption``): each a
-    list of ``(data-field, text)``."""
+    list of ``(data-field, text)`` of its ``<td>`` cells (a header row of ``<th>`` is none)."""
     parser = _Cells(table_id, caption)
     parser.feed(dom)
     return [row for row in parser.rows if row]

@@ -228,6 +228,7 @@ class Keeper:
             self.renew_failed += 1
             self.failing = False
             metrics.LEASE_RENEWALS.labels(ROLE, "lost").inc()
+            metrics.renewal_failed(ROLE, exc)
             self._lose(f"the store says lease {lease.name} is lost: {exc}")
             return
         except StoreError as exc:
@@ -235,6 +236,7 @@ class Keeper:
             self.failing = True
             self.last_error = str(exc)
             metrics.LEASE_RENEWALS.labels(ROLE, "error").inc()
+            metrics.renewal_failed(ROLE, exc)
             left = lease.valid_until - self.clock()
             logger.warning("celery-crawl: renewing the worker lease failed (%.1fs of validity "
                            "left): %s", left, exc)
@@ -258,6 +260,7 @@ class Keeper:
             lost, self._lease = self._lease, None
         if lost is None:
             return
+        metrics.lease_ended(ROLE, lost.valid_until, self.clock())
         self.losses += 1
         self.last_loss = reason
         metrics.WORKER_LEASE_LOSSES.inc()

@@ -26,7 +26,7 @@ from celery import bootsteps, signals
 from celery.app.task import Context
 from celery.worker import state as worker_state
 
-from .. import keys, metrics
+from .. import keys, metrics, status
 from ..config import CrawlConfig
 from ..errors import LeaseLost, PoisonMessage, StoreError
 from ..leases.base import Lease, LeaseStore
@@ -114,6 +114,7 @@ class LeaseStep(bootsteps.StartStopStep):
                                recheck_s=self._recheck_s)
         lease = self.keeper.acquire_blocking(timeout_s=max(config.worker_lease_ttl_s, 5.0))
         self.keeper.start()
+        status.install(self.app, lambda: status.worker_process(self))
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_addr)
         self._warn_acks_early()
         signals.worker_shutdown.connect(self._on_worker_shutdown, weak=False)
