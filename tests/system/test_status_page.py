@@ -143,8 +143,7 @@ def test_json_and_cli_show_the_same_fleet(fleet: Fleet) -> None:
 
 
 @pytest.mark.parametrize("who", ["beat", "worker"])
-def test_the_page_renders_in_chromium_and_escapes_every_value(fleet: Fleet, who: str,
-                                                              tmp_path: Path) -> None:
+def test_the_page_renders_in_chromium_and_escapes_every_value(fleet: Fleet, who: str) -> None:
     page = render(fleet.url(who, "/status"))
     assert page.console == [], page.console
     body = re.search(r"<body[^>]*>", page.dom)
@@ -169,7 +168,7 @@ def test_the_page_renders_in_chromium_and_escapes_every_value(fleet: Fleet, who:
     assert process["kind"] == who
     if who == "worker":
         assert process["claims"].isdigit() and process["reaper_recovered"] == "0"
-    screenshot(fleet.url(who, "/status"), f"status-{who}.png", tmp_path, size="1280,1000")
+    screenshot(fleet.url(who, "/status"), f"status-{who}.png", size="1280,1000")
 
 
 def test_read_only(fleet: Fleet) -> None:

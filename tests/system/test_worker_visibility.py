@@ -124,7 +124,7 @@ def test_inspect_stats_crawl_leases_and_flower(
         assert float(rows["crawl_lease_left_s"]) > 0, rows
         assert rows["crawl_claims"] == "0" and rows["crawl_consuming"] == "True", rows
         assert not any(k == "crawl_lease" or v.startswith("{") for k, v in rows.items()), rows
-        screenshot(page + "#tab-other", "flower-worker.png", tmp_path, size="1280,1100")
+        screenshot(page + "#tab-other", "flower-worker.png", size="1280,1100")
     finally:
         flower.stop(grace_s=2)
 
