@@ -96,3 +96,55 @@ def test_a_frozen_holder_is_recorded_as_held_past_its_ttl(store: LeaseStore) -> 
     assert count - count0 == 1
     assert 6.0 <= total - sum0 <= 7.5, total - sum0
     keeper.stop(release=True)
+
+
+def test_a_beat_leader_records_the_cause_and_the_deviation(fresh_redis: RedisServer) -> None:
+    """The leader's renewals: a frozen store is a timeout; a lease the store no longer has is
+    lease_lost, with the hold deviation of a lease dropped early (negative)."""
+    from celery_crawl import status
+    from celery_crawl.beat import LeasedScheduler
+    from tests.integration.test_beat_scheduler import EVERY_SECOND, make_app, run_for
+
+    assert fresh_redis.proc is not None
+
+    def beat_failures(cause: str) -> float:
+        return float(metrics.LEASE_RENEWAL_FAILURES.labels("beat", cause)._value.get())
+
+    def beat_deviation() -> tuple[float, float]:
+        samples = {s.name: s.value for m in metrics.LEASE_HOLD_DEVIATION.collect()
+                   for s in m.samples if s.labels.get("role") == "beat"}
+        return (samples.get("crawl_lease_hold_deviation_seconds_count", 0.0),
+                samples.get("crawl_lease_hold_deviation_seconds_sum", 0.0))
+
+    ns = f"slib{uuid.uuid4().hex[:6]}"
+    sched = LeasedScheduler(make_app(fresh_redis, ns, {
+        "tick": {"task": "t.record", "schedule": EVERY_SECOND}}, crawl_store_timeout=0.5))
+    try:
+        run_for([sched], 1.0)
+        assert sched.election.is_leader
+        assert status.beat_process(sched)["role"] == "leader"
+        before = {c: beat_failures(c) for c in ("timeout", "lease_lost")}
+        fresh_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 5
+            while beat_failures("timeout") == before["timeout"] and time.monotonic() < deadline:
+                sched.tick()
+        finally:
+            fresh_redis.proc.send_signal(signal.SIGCONT)
+        assert beat_failures("timeout") - before["timeout"] >= 1
+        run_for([sched], 1.0)
+        lease = sched.election.lease
+        assert lease is not None and sched.election.is_leader
+        count0, sum0 = beat_deviation()
+        other = open_store(fresh_redis.url_db(0), namespace=ns, timeout_s=2.0)
+        other.release(lease)
+        other.close()
+        deadline = time.monotonic() + 5
+        while sched.election.lease is lease and time.monotonic() < deadline:
+            sched.tick()
+            time.sleep(0.02)
+        assert beat_failures("lease_lost") - before["lease_lost"] == 1
+        count, total = beat_deviation()
+        assert count - count0 == 1 and total - sum0 < 0
+    finally:
+        sched.close()
