@@ -16,6 +16,7 @@ STATS_KEYS: dict[str, str] = {
     "holder": "crawl_lease_holder",
     "lease": "crawl_lease_name",
     "token": "crawl_lease_token",
+    "generation": "crawl_lease_generation",
     "time_left_s": "crawl_lease_left_s",
     "ttl_s": "crawl_lease_ttl_s",
     "consuming": "crawl_consuming",
