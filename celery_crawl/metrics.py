@@ -1,17 +1,27 @@
 """Prometheus metrics of this process, and the HTTP endpoint that serves them.
 
 Metric names are part of the public contract (README "Metrics"). Labels never carry URLs,
-passwords or task arguments.
+passwords or task arguments. The same read-only server serves the pages other modules add
+(``/status``, ``/status.json``: :mod:`celery_crawl.status`); every other path is ``/metrics``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import logging
+import socket
 import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Summary, make_wsgi_app
 
-from .errors import ConfigError
+from .errors import ConfigError, LeaseLost, StoreTimeout
+
+log = logging.getLogger("celery_crawl.metrics")
 
 __all__ = [
     "BEAT_DISPATCHED",
@@ -20,18 +30,43 @@ __all__ = [
     "BEAT_IS_LEADER",
     "BEAT_RESENT",
     "BEAT_SKIPPED",
+    "LEASE_HOLD_DEVIATION",
+    "LEASE_LAST_HOLD_DEVIATION",
     "LEASE_RENEWALS",
+    "LEASE_RENEWAL_FAILURES",
     "LEASE_TIME_LEFT",
     "WORKER_CLAIMS",
     "WORKER_DUPLICATES_PARKED",
     "WORKER_LEASE_LOSSES",
     "WORKER_PREEMPTION_LATENCY",
     "WORKER_RECOVERIES",
+    "Response",
+    "add_page",
+    "lease_ended",
+    "renewal_failed",
     "start_metrics_server",
 ]
 
 LEASE_RENEWALS = Counter(
     "crawl_lease_renewals_total", "Lease renewals by lease role and result", ["role", "result"]
+)
+LEASE_RENEWAL_FAILURES = Counter(
+    "crawl_lease_renewal_failures_total",
+    "Failed lease renewals by lease role and cause (timeout: no answer in time; lease_lost: "
+    "the store says another holder has it or it expired; refused: any other store error)",
+    ["role", "cause"],
+)
+# A summary, not a histogram: the deviation is signed, and a histogram with negative buckets
+# exposes no _sum (so no mean); the gauge keeps the latest one visible between losses.
+LEASE_HOLD_DEVIATION = Summary(
+    "crawl_lease_hold_deviation_seconds",
+    "How long a lost lease was really held (its last renewal to the loss being noticed) minus "
+    "its TTL, by lease role: negative when the store dropped it early, positive when noticed late",
+    ["role"],
+)
+LEASE_LAST_HOLD_DEVIATION = Gauge(
+    "crawl_lease_last_hold_deviation_seconds",
+    "crawl_lease_hold_deviation_seconds of the latest lease loss of this process", ["role"],
 )
 LEASE_TIME_LEFT = Gauge(
     "crawl_lease_time_left_seconds", "Validity left on this process's lease", ["role"]
@@ -41,7 +76,8 @@ BEAT_FAILOVERS = Counter("crawl_beat_failovers_total", "Times this replica becam
 BEAT_DISPATCHED = Counter("crawl_beat_dispatched_total", "Runs published by this leader")
 BEAT_DISPATCH_LAG = Histogram(
     "crawl_beat_dispatch_lag_seconds", "Publish time minus nominal slot",
-    buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+    # Edges on both sides of 50 ms, the dispatch-lag objective its alert tests (p99).
+    buckets=(0.005, 0.01, 0.025, 0.04, 0.05, 0.06, 0.075, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
 BEAT_RESENT = Counter("crawl_beat_resent_total",
                       "Runs published again after the delivery check found them nowhere")
@@ -61,6 +97,84 @@ WORKER_PREEMPTION_LATENCY = Histogram(
     buckets=(0.5, 1, 2, 5, 10, 15, 30, 60, 120),
 )
 
+
+def renewal_failed(role: str, exc: BaseException) -> None:
+    """Count one failed renewal under its cause (``crawl_lease_renewal_failures_total``)."""
+    cause = ("lease_lost" if isinstance(exc, LeaseLost)
+             else "timeout" if isinstance(exc, StoreTimeout | TimeoutError) else "refused")
+    LEASE_RENEWAL_FAILURES.labels(role, cause).inc()
+
+
+def lease_ended(role: str, valid_until: float, now: float) -> None:
+    """Observe how a lost lease's real hold time (its last renewal to the loss being noticed,
+    both on ``CLOCK_BOOTTIME``) deviated from its TTL: ``now - valid_until``. Negative: the store
+    dropped it early (another holder, a store restart, a clock jump); positive: noticed late."""
+    LEASE_HOLD_DEVIATION.labels(role).observe(now - valid_until)
+    LEASE_LAST_HOLD_DEVIATION.labels(role).set(now - valid_until)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Response:
+    """What a page added with :func:`add_page` answers."""
+
+    status: int
+    content_type: str
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
+            500: "Internal Server Error", 503: "Service Unavailable"}
+_pages: dict[str, Callable[[], Response]] = {}
+_metrics_app = make_wsgi_app(REGISTRY)
+
+
+def add_page(path: str, render: Callable[[], Response]) -> None:
+    """Serve ``render()`` at ``path`` on this process's metrics server (replacing a page
+    added there before); effective at once, whether the server runs already or starts later."""
+    _pages[path] = render
+
+
+def _respond(start_response: Callable[..., Any], resp: Response, head: bool) -> list[bytes]:
+    start_response(f"{resp.status} {_REASONS.get(resp.status, 'Error')}", [
+        ("Content-Type", resp.content_type), ("Content-Length", str(len(resp.body))),
+        ("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff"),
+        ("Referrer-Policy", "no-referrer"), *resp.headers])
+    return [] if head else [resp.body]
+
+
+def _app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    """Read-only: GET and HEAD only; registered pages by path, ``/metrics`` everywhere else."""
+    method = environ.get("REQUEST_METHOD", "GET")
+    if method not in ("GET", "HEAD"):
+        resp = Response(405, "text/plain; charset=utf-8", b"read-only: GET or HEAD\n",
+                        (("Allow", "GET, HEAD"),))
+        return _respond(start_response, resp, False)
+    render = _pages.get(environ.get("PATH_INFO") or "/")
+    if render is None:
+        body: Iterable[bytes] = _metrics_app({**environ, "REQUEST_METHOD": "GET"},
+                                             start_response)
+        return [] if method == "HEAD" else body
+    try:
+        resp = render()
+    except Exception:
+        log.exception("celery-crawl: rendering %s failed", environ.get("PATH_INFO"))
+        resp = Response(500, "text/plain; charset=utf-8", b"internal error (see the log)\n")
+    return _respond(start_response, resp, method == "HEAD")
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Handler(WSGIRequestHandler):
+    #: A client that connects and sends nothing must not hold a thread forever.
+    timeout = 10
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Requests are not logged (a scrape every few seconds)."""
+
+
 _started: dict[int, bool] = {}
 _lock = threading.Lock()
 
@@ -77,7 +191,7 @@ def start_metrics_server(port: int | None, *, addr: str = "127.0.0.1") -> int | 
         if port in _started:
             return port
         try:
-            server, _thread = start_http_server(port, addr=addr, registry=REGISTRY)
+            server = _listen(addr, port)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise ConfigError(
@@ -87,3 +201,18 @@ def start_metrics_server(port: int | None, *, addr: str = "127.0.0.1") -> int | 
         bound = int(server.server_address[1])
         _started[port] = True
         return bound
+
+
+def _listen(addr: str, port: int) -> WSGIServer:
+    family = socket.AF_INET
+    infos = socket.getaddrinfo(addr or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    if infos:
+        family = infos[0][0]
+
+    class Server(_Server):
+        address_family = family
+
+    server = make_server(addr, port, _app, Server, handler_class=_Handler)
+    threading.Thread(target=server.serve_forever, name="crawl-metrics", daemon=True).start()
+    return server

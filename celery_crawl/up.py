@@ -15,6 +15,8 @@ It starts, each in its own process group so a stop reaches every child process:
 * Flower, when installed, behind basic auth: the credentials reach it in ``FLOWER_BASIC_AUTH``,
   not on its command line (which every local user can read), and are printed.
 
+The banner gives each beat's and the worker's ``/metrics`` and ``/status`` page addresses.
+
 Every line a child prints is shown with its name in front. Ctrl-C or SIGTERM stops everything
 (beats first, so the leader releases its lease; Redis last); ``--duration`` stops after that many
 seconds; ``--kill-leader-every N`` SIGKILLs the current beat leader every N seconds and starts it
@@ -523,6 +525,8 @@ class Fleet:
             say("flower       off (--no-flower)")
         for name, port in self.metrics_ports.items():
             say(f"metrics      {name}: http://127.0.0.1:{port}/metrics")
+        for name, port in self.metrics_ports.items():
+            say(f"status page  {name}: http://127.0.0.1:{port}/status  (JSON: /status.json)")
         say(f"status       REDIS_URL={self.redis_url} CRAWL_SCHEDULE_PATHS="
             f"'{os.pathsep.join(self.schedule_patterns)}' celery -A {CRAWLER_APP} crawl status")
         say("Ctrl-C stops everything.")

@@ -29,6 +29,7 @@ import hashlib
 import logging
 import os
 import random
+import socket
 import sys
 import time
 import uuid
@@ -47,6 +48,7 @@ from celery_crawl.metrics import start_metrics_server
 
 from .http import FetchError, Page, close_process_fetcher, open_process_fetcher, process_fetcher
 from .links import parse_page
+from .observe import CrawlerCollector, Recorder, proxy_label, site_label
 from .politeness import Politeness, PolitenessBusy, domain_of
 from .settings import CrawlerSettings
 from .sink import PageRecord, Sink
@@ -114,6 +116,7 @@ class _Resources:
             burst=settings.burst, concurrency=settings.domain_concurrency,
             slot_ttl_s=settings.fetch_timeout_s + 5)
         self.sink = Sink(settings.sink)
+        self.recorder = Recorder(self.redis, namespace=settings.namespace)
 
     def close(self) -> None:
         self.sink.close()
@@ -139,6 +142,27 @@ def _serve_metrics(**_: Any) -> None:
 
 signals.worker_init.connect(_serve_metrics, weak=False)
 signals.beat_init.connect(_serve_metrics, weak=False)
+
+
+@signals.worker_init.connect
+def _collect_crawler_metrics(**_: Any) -> None:
+    # Before the pool forks: every child counts under this worker's id (workers.observe).
+    os.environ["CRAWL_WORKER_ID"] = f"{socket.gethostname()}:{os.getpid()}"
+    if settings.metrics_port is None:
+        return
+    from prometheus_client import REGISTRY
+
+    broker = None
+    if urlsplit(settings.broker_url).scheme in ("redis", "rediss"):
+        broker = redis.Redis.from_url(settings.broker_url, socket_timeout=2,
+                                      socket_connect_timeout=2)
+    options = app.conf.broker_transport_options or {}
+    REGISTRY.register(CrawlerCollector(
+        redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2),
+        namespace=settings.namespace, broker=broker,
+        queues=lambda: list(app.amqp.queues.consume_from or app.amqp.queues),
+        priority_steps=options.get("priority_steps", (0, 3, 6, 9)),
+        sep=options.get("sep", "\x06\x16")))
 
 
 @signals.worker_process_init.connect
@@ -259,13 +283,15 @@ def _fetch(task: Task, url: str, deadline: datetime, proxy_index: int,
         return FetchError(url, "deadline", "expired before the fetch", retryable=False)
     try:
         # A refused host is refused before it waits for (or takes) a politeness token.
-        process_fetcher(settings).check_host(url)
+        try:
+            process_fetcher(settings).check_host(url)
+        except FetchError as refused:  # no request made: no proxy to count it against
+            _record(task, url, None, None, refused.reason, None)
+            raise
         with res.politeness.slot(domain_of(url), budget_s=min(left, 10.0)) as slot:
             if slot.waited_s > 0.5:
                 logger.info("politeness: waited %.2fs for %s", slot.waited_s, slot.domain)
-            proxy = settings.proxies[min(proxy_index, len(settings.proxies) - 1)]
-            return process_fetcher(settings).fetch(url, proxy=proxy, headers=headers,
-                                                   budget_s=_remaining_s(deadline))
+            return _observed_fetch(task, url, proxy_index, headers, deadline)
     except PolitenessBusy as busy:
         countdown = max(busy.wait_s, 0.1)
         if countdown >= _remaining_s(deadline):
@@ -287,6 +313,29 @@ def _fetch(task: Task, url: str, deadline: datetime, proxy_index: int,
         # inside the fetch: record it as a deadline miss rather than a task failure.
         logger.warning("give up %s: soft time limit (the crawl's deadline) reached", url)
         return FetchError(url, "deadline", "soft time limit", retryable=False)
+
+
+def _record(task: Task, url: str, proxy: str | None, status: int | None, reason: str | None,
+            elapsed_s: float | None) -> None:
+    site = site_label(getattr(task.request, "crawl_entry", None), url, settings.allowed_hosts)
+    resources().recorder.fetched(site=site, proxy=proxy, status=status, reason=reason,
+                                 elapsed_s=elapsed_s)
+
+
+def _observed_fetch(task: Task, url: str, proxy_index: int, headers: dict[str, str] | None,
+                    deadline: datetime) -> Page:
+    """The fetch, counted (workers.observe): status per site, proxy latency and health."""
+    proxy = settings.proxies[min(proxy_index, len(settings.proxies) - 1)]
+    label = proxy_label(settings.proxies, proxy_index)
+    started = time.monotonic()
+    try:
+        page = process_fetcher(settings).fetch(url, proxy=proxy, headers=headers,
+                                               budget_s=_remaining_s(deadline))
+    except FetchError as exc:
+        _record(task, url, label, exc.status, exc.reason, time.monotonic() - started)
+        raise
+    _record(task, url, label, page.status, None, time.monotonic() - started)
+    return page
 
 
 def _store(task: Task, url: str, result: Page | FetchError, token: int) -> dict[str, Any]:

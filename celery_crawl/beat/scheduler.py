@@ -28,7 +28,7 @@ from typing import Any
 
 from celery.beat import Scheduler
 
-from .. import keys, metrics
+from .. import keys, metrics, status
 from ..clock import Clock, RedisTimeReference, monotonic
 from ..config import CrawlConfig, plain_redis_url
 from ..errors import (
@@ -116,6 +116,7 @@ class LeasedScheduler(Scheduler):
     # -- Celery hooks -------------------------------------------------------------------------
     def setup_schedule(self) -> None:
         """Open the store, check it, start metrics and load the schedule (not when lazy)."""
+        status.install(self.app, lambda: status.beat_process(self))
         try:
             metrics.start_metrics_server(self.config.metrics_port, addr=self.config.metrics_addr)
         except ConfigError as exc:  # a busy port must not take the scheduler down
@@ -328,11 +329,16 @@ class LeasedScheduler(Scheduler):
             lease = self._store.renew(self.election.lease)
         except LeaseLost as exc:
             metrics.LEASE_RENEWALS.labels(ROLE, "lost").inc()
+            metrics.renewal_failed(ROLE, exc)
+            metrics.lease_ended(ROLE, self.election.lease.valid_until, monotonic())
             self._demote(f"lease lost: {exc}")
             return
         except StoreError as exc:
             metrics.LEASE_RENEWALS.labels(ROLE, "error").inc()
+            metrics.renewal_failed(ROLE, exc)
+            until = self.election.lease.valid_until if self.election.lease else monotonic()
             if self.election.renew_failed():
+                metrics.lease_ended(ROLE, until, monotonic())
                 self._after_demotion(f"renewal failed until the lease ran out: {exc}")
             else:
                 log.warning("beat: renewal failed, retrying (%.2fs of validity left): %s",

@@ -301,6 +301,7 @@ class Keeper:
             self.renew_failed += 1
             self.failing = False
             metrics.LEASE_RENEWALS.labels(ROLE, "lost").inc()
+            metrics.renewal_failed(ROLE, exc)
             self._lose(f"the store says lease {lease.name} is lost: {exc}", lease)
             return
         except StoreError as exc:
@@ -308,6 +309,7 @@ class Keeper:
             self.failing = True
             self.last_error = str(exc)
             metrics.LEASE_RENEWALS.labels(ROLE, "error").inc()
+            metrics.renewal_failed(ROLE, exc)
             left = lease.valid_until - self.clock()
             logger.warning("celery-crawl: renewing the worker lease failed (%.1fs of validity "
                            "left): %s", left, exc)
@@ -345,6 +347,7 @@ class Keeper:
             self.losses += 1
             self.last_loss = reason
             self._changed.notify_all()
+        metrics.lease_ended(ROLE, lost.valid_until, self.clock())
         metrics.WORKER_LEASE_LOSSES.inc()
         logger.error("celery-crawl: worker lease lost: %s", reason)
         try:

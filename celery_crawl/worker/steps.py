@@ -33,7 +33,7 @@ from celery import bootsteps, signals
 from celery.app.task import Context
 from celery.worker import state as worker_state
 
-from .. import keys, metrics
+from .. import keys, metrics, status
 from ..config import CrawlConfig
 from ..errors import LeaseLost, PoisonMessage, StoreError
 from ..leases.base import Lease, LeaseStore
@@ -44,6 +44,7 @@ from .context import CLAIM_HEADER
 from .guards import check_beat, check_memory, check_pool
 from .keeper import Keeper
 from .reaper import Reaper, orphan_grace
+from .stats import flat_stats
 
 __all__ = ["ClaimStep", "LeaseStep"]
 
@@ -125,6 +126,7 @@ class LeaseStep(bootsteps.StartStopStep):
         lease = self.keeper.acquire_blocking(timeout_s=max(config.worker_lease_ttl_s, 5.0))
         self._applied_generation = self.keeper.state().generation
         self.keeper.start()
+        status.install(self.app, lambda: status.worker_process(self))
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_addr)
         self._warn_acks_early()
         signals.worker_shutdown.connect(self._on_worker_shutdown, weak=False)
@@ -661,8 +663,8 @@ class LeaseStep(bootsteps.StartStopStep):
 
     # -- visibility ------------------------------------------------------------------------
     def info(self, w: Any) -> dict[str, Any]:
-        """Merged into ``celery inspect stats`` (and so Flower's worker page)."""
-        return {"crawl_lease": self.status()}
+        """Merged into ``celery inspect stats``: flat rows, so Flower's worker page shows them."""
+        return flat_stats(self.status())
 
     def status(self) -> dict[str, Any]:
         claimed, parked = self.book.counts()

@@ -5,8 +5,8 @@ hostile messages.
   sees the token the lease store issued to this worker.
 * Hostile ``crawl_deadline``/``crawl_slot``/``crawl_leader_token`` headers fail at most their own
   task; the worker keeps serving.
-* No password appears in ``inspect stats``, ``inspect crawl_leases``, the Prometheus metrics the
-  worker serves, or its log.
+* No password appears in ``inspect stats``, ``inspect crawl_leases``, the Prometheus metrics
+  and the status page the worker serves, or its log.
 """
 
 from __future__ import annotations
@@ -167,4 +167,9 @@ def test_no_password_in_inspect_stats_leases_metrics_or_log(fleet: dict[str, Any
         body = resp.read().decode()
     assert "crawl_" in body
     assert_no_secret(body, secret, "the worker's /metrics")
+    for page in ("/status", "/status.json"):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{page}", timeout=10) as resp:
+            body = resp.read().decode()
+        assert "Leader" in body or '"leader"' in body, body[:2000]  # gathered from the store
+        assert_no_secret(body, secret, f"the worker's {page}")
     assert_no_secret(fleet["proc"].log(), secret, "the worker log")

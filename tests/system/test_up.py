@@ -7,6 +7,7 @@ import base64
 import dataclasses
 import importlib.util
 import io
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,9 +93,15 @@ class Up:
         return self.output
 
     def kill(self) -> None:
+        """Stop a run a failed test left going: SIGTERM first, so ``up`` stops its children
+        (each in a session of its own, out of reach of a signal to ``up``'s group)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=_EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
 
 
 def summary_of(out: str) -> str:
@@ -175,6 +183,26 @@ class Run:
     returncode: int
     flower: FlowerProbe
     worker_env: dict[str, str]
+    status_pages: dict[str, dict[str, Any]]
+
+
+_STATUS_PAGE = re.compile(r"status page  ([\w-]+): (http://127\.0\.0\.1:\d+/status) ")
+
+
+def _probe_status_pages(up: Up) -> dict[str, dict[str, Any]]:
+    """While ``up`` runs: each printed status page answers, with a leader, as its process."""
+    up.wait_for(re.compile(r"status page  worker: "), 60)
+
+    def view(url: str) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(url + ".json", timeout=10) as resp:
+                got: dict[str, Any] = json.load(resp)
+        except (OSError, ValueError):
+            return None
+        return got if got.get("leader") and got.get("process") else None
+
+    return {name: wait_until(lambda u=url: view(u), 60, interval_s=0.3, what=f"{name} {url}")
+            for name, url in _STATUS_PAGE.findall(up.output)}
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +212,9 @@ def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     try:
         worker_env = _worker_environ(up)
         flower = _probe_flower(up)
+        pages = _probe_status_pages(up)
         out = up.finish()
-        yield Run(out, up.proc.returncode, flower, worker_env)
+        yield Run(out, up.proc.returncode, flower, worker_env, pages)
     finally:
         up.kill()
 
@@ -203,6 +232,14 @@ def test_up_runs_scheduled_crawls_under_one_leader_and_exits_cleanly(plain_run: 
     assert runs.get("demo-news", (0, 0, 0))[1] >= 3, summary
     assert all(dups == 0 for _, _, dups in runs.values()), summary
     assert re.search(r"pages: (.*, )?ok: \d+", summary), summary
+
+
+def test_up_prints_each_status_page(plain_run: Run) -> None:
+    pages = plain_run.status_pages
+    assert set(pages) == {"beat-1", "beat-2", "worker"}, plain_run.out[:3000]
+    assert {name: view["process"]["kind"] for name, view in pages.items()} == {
+        "beat-1": "beat", "beat-2": "beat", "worker": "worker"}
+    assert len({view["leader"]["token"] for view in pages.values()}) <= 2  # one, or a failover
 
 
 def test_up_limits_crawls_to_loopback(plain_run: Run) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.chromium import cells, render, screenshot
 from tests.procs import CELERY, Proc, celery_args
 from tests.servers import RedisServer, free_port, wait_until
 from tests.system.workerapp_harness import APP, Combo, Workers, runs, send, workers
@@ -84,10 +85,15 @@ def test_inspect_stats_crawl_leases_and_flower(
     finally:
         client.close()
     for name in ("a", "b"):
-        info = stats[ws.hostname(name)]["crawl_lease"]
-        assert info["holder"] and info["token"] and info["time_left_s"] > 0
-        assert info["renew_success_rate"] in (None, 1.0)
-        assert info["claims"] == 0 and info["consuming"] is True
+        info = stats[ws.hostname(name)]
+        # Flat rows (Flower renders a nested dict as one blob), every value a scalar.
+        assert "crawl_lease" not in info
+        assert info["crawl_lease_holder"] and info["crawl_lease_token"]
+        assert info["crawl_lease_left_s"] > 0
+        assert info["crawl_renew_success_rate"] in (None, 1.0)
+        assert info["crawl_claims"] == 0 and info["crawl_consuming"] is True
+        assert all(v is None or isinstance(v, bool | int | float | str)
+                   for k, v in info.items() if k.startswith("crawl_"))
     replies = {k: v for reply in leases for k, v in reply.items()}
     assert set(replies) == {ws.hostname("a"), ws.hostname("b")}
     assert all("claimed" in r and r["holder"] for r in replies.values())
@@ -101,13 +107,24 @@ def test_inspect_stats_crawl_leases_and_flower(
             r = httpx.get(f"http://127.0.0.1:{port}/api/workers", params={"refresh": "1"},
                           timeout=10)
             body = r.json() if r.status_code == 200 else {}
-            ok = all("crawl_lease" in (body.get(ws.hostname(n), {}).get("stats") or {})
+            ok = all("crawl_lease_token" in (body.get(ws.hostname(n), {}).get("stats") or {})
                      for n in ("a", "b"))
             return body if ok else None
 
         body = wait_until(workers_api, 60, interval_s=0.5, what="flower /api/workers")
-        lease = body[ws.hostname("a")]["stats"]["crawl_lease"]
-        assert {"holder", "token", "time_left_s", "claims", "renew_success_rate"} <= set(lease)
+        lease = body[ws.hostname("a")]["stats"]
+        assert {"crawl_lease_holder", "crawl_lease_token", "crawl_lease_left_s", "crawl_claims",
+                "crawl_renew_success_rate"} <= set(lease)
+        # Flower's worker page, as a browser renders it: one row per figure in "Other".
+        page = f"http://127.0.0.1:{port}/worker/{ws.hostname('a')}"
+        rows = {row[0][1]: row[1][1] for row in
+                cells(render(page).dom, caption="Other statistics") if len(row) == 2}
+        assert rows["crawl_lease_holder"] == lease["crawl_lease_holder"], rows
+        assert rows["crawl_lease_token"] == str(lease["crawl_lease_token"]), rows
+        assert float(rows["crawl_lease_left_s"]) > 0, rows
+        assert rows["crawl_claims"] == "0" and rows["crawl_consuming"] == "True", rows
+        assert not any(k == "crawl_lease" or v.startswith("{") for k, v in rows.items()), rows
+        screenshot(page + "#tab-other", "flower-worker.png", size="1280,1100")
     finally:
         flower.stop(grace_s=2)
 
