@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -43,11 +43,12 @@ from ..errors import (
 from ..leases import make_holder, store_for
 from ..leases.base import Characteristic, LeaseStore
 from ..schedules import DueHeap, check_duplicates_with_beat_schedule, load_schedule_files
+from .clockstep import Step, StepGuard
 from .commands import MAX_BACKFILL, Command, parse_command
 from .election import Action, Election
 from .entries import BeatEntry, from_beat_schedule, from_spec
 from .publish import Publisher
-from .slots import SkipRange, iter_slots, plan
+from .slots import SkipRange, blame, iter_slots, plan
 from .state import EntryState, Sent, SkipLog, format_slot, parse_slot
 from .verify import DeliveryCheck
 
@@ -72,6 +73,8 @@ BUFFER_RECHECK_S = 1.0
 PRESENCE_TTLS = 3
 #: How often the leader runs the delivery check (``crawl_beat_verify_delivery``).
 VERIFY_POLL_S = 1.0
+#: A slot the store could not decide (previous run in flight?) is tried again this soon.
+STORE_RETRY_S = 0.5
 
 
 class LeasedScheduler(Scheduler):
@@ -81,8 +84,11 @@ class LeasedScheduler(Scheduler):
     ``beat_schedule`` plus the schedule files of ``crawl_schedule_paths``.
     """
 
-    def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, app: Any, *args: Any, wall_clock: Callable[[], float] | None = None,
+                 **kwargs: Any) -> None:
         self.config = CrawlConfig.from_app(app)
+        #: the local wall clock (``time.time``; tests pass one they can set)
+        self._wall_clock = wall_clock or time.time
         self.replica_id = make_holder()
         self.election = Election(self.config.beat_lease_ttl_s, clock=monotonic)
         self.entries: dict[str, BeatEntry] = {}
@@ -92,9 +98,13 @@ class LeasedScheduler(Scheduler):
         self._next_of: dict[str, datetime | None] = {}
         self._pending: dict[str, dict[str, Any]] = {}
         self._pending_states: set[str] = set()
+        #: entry -> its oldest slot left undecided by a store error, retried on later ticks
+        self._undecided: dict[str, datetime] = {}
         self._done_cache: dict[str, bool] = {}
         self._store: LeaseStore | None = None
         self._clock: Clock | None = None
+        self._steps: StepGuard | None = None
+        self._stepped = False  # the wall clock was set and is not measured again yet
         self._publisher = Publisher(app, self.config.namespace)
         self._file_sig: tuple[tuple[str, int, int], ...] | None = None
         self._file_entries: dict[str, BeatEntry] = {}
@@ -110,7 +120,7 @@ class LeasedScheduler(Scheduler):
         self._closed = False
         self._verify: DeliveryCheck | None = None
         self._next_verify = 0.0
-        self._started = format_slot(datetime.now(UTC).replace(microsecond=0))
+        self._started = format_slot(datetime.fromtimestamp(int(self._wall_clock()), UTC))
         super().__init__(app, *args, **kwargs)
 
     # -- Celery hooks -------------------------------------------------------------------------
@@ -121,7 +131,8 @@ class LeasedScheduler(Scheduler):
         except ConfigError as exc:  # a busy port must not take the scheduler down
             log.error("beat: metrics are off: %s", exc)
         self._store = store_for(self.config)
-        self._clock = Clock(self._reference())
+        self._clock = Clock(self._reference(), wall=self._wall_clock)
+        self._steps = StepGuard(self._clock, self.config.max_clock_skew_s / 2)
         self._check_store_fitness()
         self._setup_verify()
         self._reload(force=True)
@@ -164,10 +175,17 @@ class LeasedScheduler(Scheduler):
         if now_m >= self._next_reload:
             self._next_reload = now_m + RELOAD_POLL_S
             self._reload()
+        self._check_step()
         self._election_step()
-        if self.election.is_leader:
+        if self.election.is_leader and not self._stepped:
             self._leader_step()
         return self._sleep_s()
+
+    def _now(self) -> datetime:
+        """The reference clock's time (wall clock plus measured offset, see ``Clock.now``)."""
+        if self._clock is None:
+            return datetime.fromtimestamp(self._wall_clock(), UTC)
+        return self._clock.now()
 
     def close(self) -> None:
         """Flush state, release the lease (a standby takes over at once), close the store."""
@@ -241,12 +259,30 @@ class LeasedScheduler(Scheduler):
         self._next_eviction = monotonic() + EVICTION_CHECK_S
         self._apply_block()
 
+    def _check_step(self) -> None:
+        """Every tick: a wall clock set since the last calibration is measured again before
+        anything is decided on it (see ``clockstep``)."""
+        if self._steps is None:
+            return
+        left = self.election.remaining_s()
+        deadline = monotonic() + (left / 2 if self.election.is_leader
+                                  else self.config.store_timeout_s)
+        verdict = self._steps.check(deadline=deadline)
+        self._stepped = verdict is Step.UNKNOWN
+        if verdict is Step.REMEASURED:
+            assert self._clock is not None
+            self._next_skew = monotonic() + SKEW_CHECK_S
+            self._judge_skew(self._clock.offset_s)
+
     def _check_skew(self) -> None:
         clock = self._clock
         if clock is None or clock.reference is None:
             return
         offset = clock.maybe_recalibrate(SKEW_CHECK_S, k=3)
         self._next_skew = monotonic() + SKEW_CHECK_S
+        self._judge_skew(offset)
+
+    def _judge_skew(self, offset: float | None) -> None:
         if offset is None:
             # Never measured: fail closed (a replica whose skew is unknown may be the skewed
             # one) and try again soon. A failed re-measurement keeps the last known offset.
@@ -294,6 +330,8 @@ class LeasedScheduler(Scheduler):
         action = self.election.action(now)
         if action is Action.RENEW:
             self._renew()
+        elif action is Action.ACQUIRE and self._stepped:
+            self.election.not_acquired()  # promotion would start fresh entries on a set clock
         elif action is Action.ACQUIRE:
             self._acquire()
         if self.election.presence_due():
@@ -363,6 +401,7 @@ class LeasedScheduler(Scheduler):
         self._skiplogs.clear()
         self._due = DueHeap()
         self._next_of.clear()
+        self._undecided.clear()
         log.error("beat replica %s stopped dispatching and is standing by: %s%s",
                   self.replica_id, reason,
                   f" ({dropped} unwritten entry states left to the next leader)"
@@ -382,7 +421,7 @@ class LeasedScheduler(Scheduler):
             "blocked": self.election.blocked_reason,
             "entries": len(self.entries),
             "started": self._started,
-            "last_seen": format_slot(datetime.now(UTC)),
+            "last_seen": format_slot(self._now()),
         }
         try:
             self._store.put(keys.beat_presence(self.replica_id), record,
@@ -398,13 +437,14 @@ class LeasedScheduler(Scheduler):
         assert self._store is not None
         lease = self.election.lease
         assert lease is not None
-        now = datetime.now(UTC)
+        now = self._now()
         prefix = keys.beat_entry("")
         stored = self._store.scan(prefix)
         self.states.clear()
         self._skiplogs.clear()
         self._due = DueHeap()
         self._next_of.clear()
+        self._undecided.clear()
         fresh: list[str] = []
         for i, (name, entry) in enumerate(self.entries.items()):
             if i % 1000 == 999:
@@ -462,11 +502,11 @@ class LeasedScheduler(Scheduler):
             return
         nxt = self._next_of.get(name)
         if nxt is None or (st.last_slot is not None and nxt <= st.last_slot):
-            nxt = entry.source.next_slot(st.last_slot or datetime.now(UTC))
+            nxt = entry.source.next_slot(st.last_slot or self._now())
         self._next_of[name] = nxt
         when = entry.fire_time(nxt) if nxt is not None else None
         if st.buffered_slot is not None:
-            recheck = datetime.now(UTC) + timedelta(
+            recheck = self._now() + timedelta(
                 seconds=min(BUFFER_RECHECK_S, entry.period_s(st.buffered_slot)))
             when = recheck if when is None else min(when, recheck)
         if when is None:
@@ -586,7 +626,7 @@ class LeasedScheduler(Scheduler):
 
     def _dispatch_due(self) -> None:
         peek = self._due.peek()
-        now = datetime.now(UTC)
+        now = self._now()
         if peek is None or peek[1] > now:
             return
         due = self._due.pop_due(now)
@@ -636,6 +676,9 @@ class LeasedScheduler(Scheduler):
         checked: bool | None = None  # previous run in flight, asked once per entry per tick
         if st.buffered_slot is not None and not paused:
             checked = self._in_flight(entry, st, now)
+            if checked is None:
+                self._retry_later(name, st, now, None)
+                return
             if not checked:
                 slot = st.buffered_slot
                 st.buffered_slot = None
@@ -653,6 +696,9 @@ class LeasedScheduler(Scheduler):
         else:
             p = plan(entry.source, st.last_slot, now, entry.catchup)
             run, skipped, newest, nxt = p.run, p.skipped, p.last_slot, p.next_slot
+        undecided = self._undecided.pop(name, None)
+        if undecided is not None and undecided not in run:
+            skipped = blame(skipped, undecided, "store_error", entry.source)
         for skip in skipped:
             self._record_skip(name, st, skip)
         batch_published = False  # catch-up runs published together are not checked
@@ -662,6 +708,9 @@ class LeasedScheduler(Scheduler):
                 continue
             if checked is None and entry.overlap != "allow":
                 checked = self._in_flight(entry, st, now)
+                if checked is None:
+                    self._retry_later(name, st, now, slot)
+                    return
             if checked and entry.overlap != "allow" and not batch_published:
                 if entry.overlap == "skip":
                     self._record_skip(name, st, SkipRange(slot, slot, 1, "overlap"))
@@ -692,8 +741,20 @@ class LeasedScheduler(Scheduler):
         self._queue_state(name)
         self._schedule(name, st)
 
-    def _in_flight(self, entry: BeatEntry, st: EntryState, now: datetime) -> bool:
-        """Whether the entry's previous run may still be queued or running.
+    def _retry_later(self, name: str, st: EntryState, now: datetime,
+                     slot: datetime | None) -> None:
+        """The store could not tell whether the previous run is in flight: leave ``slot`` (and
+        what follows it) undecided and try again shortly. It runs if the store answers while
+        the catch-up policy still runs it; otherwise it is skipped as ``store_error``."""
+        if slot is not None:
+            self._undecided.setdefault(name, slot)
+            self._next_of[name] = slot
+        self._queue_state(name)
+        self._due.push(name, now + timedelta(seconds=STORE_RETRY_S))
+
+    def _in_flight(self, entry: BeatEntry, st: EntryState, now: datetime) -> bool | None:
+        """Whether the entry's previous run may still be queued or running (None: the store
+        could not tell; the caller decides later rather than guess).
 
         A claim on ``task:<id>`` (the worker plugin claims every task it receives) means it
         is running or about to be recovered; a ``done/<id>`` tombstone means it finished.
@@ -713,9 +774,9 @@ class LeasedScheduler(Scheduler):
             if self._store.claimant(keys.task_claim(st.last_task_id)) is not None:
                 return True
         except StoreError as exc:
-            log.warning("beat: cannot read the state of %s (%s); assuming it is in flight",
-                        st.last_task_id, exc)
-            return True
+            log.warning("beat: cannot read the state of %s (%s); deciding entry %r again in "
+                        "%gs", st.last_task_id, exc, entry.name, STORE_RETRY_S)
+            return None
         window = entry.period_s(st.last_run_slot)
         if entry.expires_s is not None:
             window = min(window, entry.expires_s)
@@ -786,7 +847,7 @@ class LeasedScheduler(Scheduler):
                       len(self.entries))
             return
         log.warning("beat: applying %s %r from %s", cmd.op, cmd.entry, cmd.issued_by or "?")
-        now = datetime.now(UTC)
+        now = self._now()
         if cmd.op in ("pause", "resume"):
             st.paused = cmd.op == "pause"
             self._queue_state(cmd.entry)
@@ -886,7 +947,7 @@ class LeasedScheduler(Scheduler):
             s = min(s, self._next_commands - now_m)
             peek = self._due.peek()
             if peek is not None:
-                s = min(s, (peek[1] - datetime.now(UTC)).total_seconds())
+                s = min(s, (peek[1] - self._now()).total_seconds())
             if self._flush_failed:
                 s = min(s, 0.2)
             if self._verify is not None:
