@@ -41,7 +41,7 @@ from ..errors import (
     StoreError,
 )
 from ..leases import make_holder, store_for
-from ..leases.base import Characteristic, LeaseStore
+from ..leases.base import Characteristic, LeaseStore, Taken
 from ..schedules import DueHeap, check_duplicates_with_beat_schedule, load_schedule_files
 from .clockstep import Step, StepGuard
 from .commands import MAX_BACKFILL, Command, parse_command
@@ -57,8 +57,10 @@ __all__ = ["LeasedScheduler"]
 log = logging.getLogger("celery_crawl.beat")
 
 ROLE = "beat"
-#: How often the leader pops the operator command queue.
+#: How often the leader reads the operator command queue.
 COMMAND_POLL_S = 0.5
+#: Commands applied and recorded together (one fenced write; etcd: one transaction).
+COMMAND_BATCH = 20
 #: How often schedule files are checked for changes (mtime poll).
 RELOAD_POLL_S = 1.0
 #: How often the wall clock is compared with the reference clock.
@@ -519,9 +521,10 @@ class LeasedScheduler(Scheduler):
         if len(self._pending_states) + len(self._pending) >= FLUSH_EVERY:
             self._flush()
 
-    def _flush(self) -> None:
-        """Write queued state records with the leader lease (after the publishes they record)."""
-        if not self._pending_states and not self._pending:
+    def _flush(self, *, ack: Taken | None = None) -> None:
+        """Write queued state records with the leader lease (after the publishes they record);
+        with ``ack``, the commands they apply leave their queue in the same write."""
+        if not self._pending_states and not self._pending and ack is None:
             self._flush_failed = False
             return
         assert self._store is not None
@@ -532,7 +535,10 @@ class LeasedScheduler(Scheduler):
                  if n in self.states]
         items += list(self._pending.items())
         try:
-            self._store.put_many(items, lease=lease)
+            if ack is not None:
+                self._store.put_and_ack(items, ack, lease=lease)
+            else:
+                self._store.put_many(items, lease=lease)
         except (NotLeader, FencedError) as exc:
             self._demote(f"state write refused: {exc}")
             return
@@ -817,27 +823,30 @@ class LeasedScheduler(Scheduler):
 
     # -- operator commands ---------------------------------------------------------------------
     def _apply_commands(self) -> None:
+        """Read commands without taking them, apply them, then record their effect and take
+        them off the queue in one fenced write: a leader deposed in between leaves them to
+        the next one, which applies them again (pause/resume are idempotent; trigger and
+        backfill publish the same task ids again, which the worker's claim deduplicates)."""
         assert self._store is not None
-        lease = self.election.lease
-        if lease is None:
+        if self.election.lease is None:
             return
         try:
-            records = self._store.pop_all(keys.BEAT_COMMANDS, lease=lease)
-        except (NotLeader, FencedError) as exc:
-            self._demote(f"command queue refused: {exc}")
-            return
+            taken = self._store.peek(keys.BEAT_COMMANDS, limit=COMMAND_BATCH)
         except StoreError as exc:
             log.debug("beat: cannot read the command queue: %s", exc)
             return
-        for record in records:
+        if not taken.handle:
+            return
+        for record in taken.items:
             try:
                 cmd = parse_command(record)
             except ValueError as exc:
                 log.error("beat: dropping a malformed command: %s", exc)
                 continue
             self._apply(cmd)
-        if records:
-            self._flush()
+            if not self.election.may_publish():
+                return  # the effects so far are left unrecorded: the next leader redoes them
+        self._flush(ack=taken)
 
     def _apply(self, cmd: Command) -> None:
         entry = self.entries.get(cmd.entry)
@@ -853,7 +862,9 @@ class LeasedScheduler(Scheduler):
             self._queue_state(cmd.entry)
             return
         if cmd.op == "trigger":
-            slots: Iterable[datetime] = [now.replace(microsecond=0)]
+            # The instant it was issued, not applied: applied again by a next leader, it is
+            # the same run (the same task id).
+            slots: Iterable[datetime] = [cmd.issued_at or now.replace(microsecond=0)]
         else:
             assert cmd.start is not None and cmd.end is not None
             end = min(cmd.end, now)

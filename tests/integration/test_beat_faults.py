@@ -20,7 +20,9 @@ import pytest
 
 from celery_crawl import keys
 from celery_crawl.beat import LeasedScheduler
+from celery_crawl.beat.commands import make_command
 from celery_crawl.beat.state import EntryState, SkipLog, parse_slot
+from celery_crawl.errors import NotLeader, StoreError
 from celery_crawl.leases import open_store
 from celery_crawl.schedules import TzCron
 from tests.integration.test_beat_scheduler import EVERY_SECOND, drain, make_app, run_for
@@ -141,5 +143,81 @@ def test_a_store_error_at_fire_time_is_retried_not_counted_as_overlap(
         assert parse_slot(msgs[0]["crawl_slot"]) == held
         skips = SkipLog.from_record(store.get(keys.beat_skips("e")))
         assert "overlap" not in skips.totals, skips.totals
+    finally:
+        store.close()
+
+
+@pytest.fixture(params=["redis", "etcd"])
+def lease_url(request: pytest.FixtureRequest, redis_server: RedisServer) -> str:
+    if request.param == "redis":
+        return redis_server.url_db(0)
+    etcd: Any = request.getfixturevalue("etcd_server")
+    return str(etcd.url)
+
+
+def test_a_command_outlives_a_demotion_between_applying_and_recording_it(
+    redis_server: RedisServer, lease_url: str, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    """The leader applies ``pause`` and loses the lease before the write that records it (the
+    lease is released behind its back and a second replica takes over, right after the apply):
+    its write is refused, and the command is not lost: the new leader applies it."""
+    sched = {"tick": {"task": "t.tick", "schedule": EVERY_SECOND}}
+    app = make_app(redis_server, ns, sched, crawl_lease_url=lease_url,
+                   crawl_beat_lease_ttl=3.0)
+    a = lead(app, opened)
+    b = LeasedScheduler(make_app(redis_server, ns, sched, crawl_lease_url=lease_url,
+                                 crawl_beat_lease_ttl=3.0))
+    opened.append(b)
+    other = open_store(lease_url, namespace=ns)
+    applied = a._apply
+    taken_over: list[int] = []
+
+    def apply_then_lose_the_lease(cmd: Any) -> None:
+        applied(cmd)
+        lease = a.election.lease
+        assert lease is not None
+        other.release(lease)  # as if it expired while the leader was frozen here
+        wait_until(lambda: (b.tick(), b.election.is_leader)[1], 10, what="b takes over")
+        taken_over.append(b.election.lease.token if b.election.lease else 0)
+
+    try:
+        a._apply = apply_then_lose_the_lease  # type: ignore[method-assign]
+        other.push(keys.BEAT_COMMANDS, make_command("pause", "tick"))
+        wait_until(lambda: (a.tick(), taken_over)[1], 10, what="a applies the command")
+        wait_until(lambda: (a.tick(), not a.election.is_leader)[1], 10,
+                   what="a learns it was deposed")
+        wait_until(lambda: (b.tick(), b.states.get("tick") and b.states["tick"].paused)[1], 5,
+                   what="the new leader applies the command")
+        st = EntryState.from_record(other.get(keys.beat_entry("tick")))
+        assert st.paused is True and st.token == taken_over[0]
+        assert other.peek(keys.BEAT_COMMANDS).items == ()
+    finally:
+        other.close()
+
+
+def test_peek_then_put_and_ack_is_one_fenced_write(lease_url: str, ns: str) -> None:
+    store = open_store(lease_url, namespace=ns)
+    try:
+        old = store.acquire("lead", 30, "a")
+        assert old is not None
+        for n in range(3):
+            store.push("cmds", {"n": n})
+        taken = store.peek("cmds", limit=2)
+        assert taken.items == ({"n": 0}, {"n": 1})
+        assert store.peek("cmds").items == ({"n": 0}, {"n": 1}, {"n": 2})  # nothing taken
+        store.release(old)
+        new = store.acquire("lead", 30, "b")
+        assert new is not None
+        with pytest.raises(NotLeader):
+            store.put_and_ack([("effect", {"by": "old"})], taken, lease=old)
+        assert store.get("effect") is None and len(store.peek("cmds").items) == 3
+        store.put_and_ack([("effect", {"by": "new"})], taken, lease=new)
+        assert store.get("effect") == {"by": "new"}
+        assert store.peek("cmds").items == ({"n": 2},)
+        with pytest.raises(StoreError, match="head of the queue"):
+            store.put_and_ack([("effect", {"by": "twice"})], taken, lease=new)
+        assert store.get("effect") == {"by": "new"}
+        store.put_and_ack([], store.peek("cmds"), lease=new)
+        assert store.peek("cmds").items == ()
     finally:
         store.close()
