@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "BEAT_COMMANDS",
+    "BEAT_INDEX",
     "BEAT_LEADER",
     "REAPER",
     "beat_entry",
@@ -20,6 +21,8 @@ BEAT_LEADER = "beat-leader"
 REAPER = "reaper"
 #: Queue of operator commands (pause/resume/trigger/backfill) the beat leader applies.
 BEAT_COMMANDS = "beat/commands"
+#: Names of the entries that have a stored state (so promotion never scans the store).
+BEAT_INDEX = "beat/index"
 
 
 def worker_lease(holder: str) -> str:

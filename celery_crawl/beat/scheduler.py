@@ -43,6 +43,7 @@ from ..errors import (
 from ..leases import make_holder, store_for
 from ..leases.base import Characteristic, LeaseStore, Taken
 from ..schedules import DueHeap, check_duplicates_with_beat_schedule, load_schedule_files
+from . import index
 from .clockstep import Step, StepGuard
 from .commands import MAX_BACKFILL, Command, parse_command
 from .election import Action, Election
@@ -159,7 +160,8 @@ class LeasedScheduler(Scheduler):
             entry = self.entries.get(name)
             return self._publisher.queue_names(entry) if entry is not None else []
 
-        self._verify = DeliveryCheck(self._store, broker, after, queues_of)
+        self._verify = DeliveryCheck(self._store, broker, after, queues_of,
+                                     between=self._keep_alive)
         log.info("beat: runs not seen at a worker %gs after publishing are looked for in the "
                  "broker and published again if lost", after)
 
@@ -440,8 +442,8 @@ class LeasedScheduler(Scheduler):
         lease = self.election.lease
         assert lease is not None
         now = self._now()
-        prefix = keys.beat_entry("")
-        stored = self._store.scan(prefix)
+        indexed, migrated = index.read_index(self._store, between=self._keep_alive)
+        stored = index.read_states(self._store, self.entries, between=self._keep_alive)
         self.states.clear()
         self._skiplogs.clear()
         self._due = DueHeap()
@@ -452,7 +454,7 @@ class LeasedScheduler(Scheduler):
             if i % 1000 == 999:
                 self._keep_alive()
             key = keys.beat_entry(name)
-            record = stored.get(key)
+            record = stored.get(name)
             st: EntryState | None = None
             if record is not None:
                 try:
@@ -467,17 +469,22 @@ class LeasedScheduler(Scheduler):
                                 paused=st.paused if st else None)
                 fresh.append(name)
             self.states[name] = st
-        removed = [k for k in stored if k[len(prefix):] not in self.entries]
+        removed = sorted(indexed - self.entries.keys())
         if removed and not self._file_errors:
-            for key in removed:
-                name = key[len(prefix):]
-                self._store.delete(key, lease=lease)
+            for i, name in enumerate(removed):
+                if i % 100 == 99:
+                    self._keep_alive()
+                self._store.delete(keys.beat_entry(name), lease=lease)
                 self._store.delete(keys.beat_skips(name), lease=lease)
+            indexed.difference_update(removed)  # deleted first, then dropped from the index
             log.warning("beat: garbage-collected the state of %d removed entries: %s",
-                        len(removed), ", ".join(k[len(prefix):] for k in removed[:10]))
+                        len(removed), ", ".join(removed[:10]))
         elif removed:
             log.warning("beat: not garbage-collecting %d unknown entry states while schedule "
                         "files have errors", len(removed))
+        if migrated or removed or not indexed.issuperset(self.entries):
+            # Before any new state is written, so the index always covers what is stored.
+            index.write_index(self._store, indexed | self.entries.keys(), lease=lease)
         for i, name in enumerate(fresh):
             if i % 1000 == 999:
                 self._keep_alive()
@@ -491,11 +498,12 @@ class LeasedScheduler(Scheduler):
                  len(fresh), self._describe_next())
 
     def _keep_alive(self) -> None:
-        """Renew during long work (promotion with many entries) so the lease cannot lapse."""
+        """Renew during long work (promotion, a delivery check reading a long queue) so the
+        lease cannot lapse; raises ``LeaseLost`` to abort the work once it is gone."""
         if self.election.renew_due():
             self._renew()
         if not self.election.is_leader:
-            raise LeaseLost("the lease was lost while loading entry states")
+            raise LeaseLost("the lease was lost during a long step of the beat loop")
 
     def _schedule(self, name: str, st: EntryState) -> None:
         """Put ``name`` on the heap at the fire time of its next slot (or a buffer re-check)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
@@ -224,8 +224,12 @@ class LeaseStore(Protocol):
         """``get`` for several keys in one round trip."""
         ...
 
-    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
-        """Every record whose key starts with ``prefix`` (keys returned without the namespace)."""
+    def scan(self, prefix: str, *, between: Callable[[], None] | None = None
+             ) -> dict[str, dict[str, Any]]:
+        """Every record whose key starts with ``prefix`` (keys returned without the namespace).
+
+        ``between`` is called between the requests of a scan that takes several (Redis
+        ``SCAN`` pages): a lease holder renews there, and may raise to abort the scan."""
         ...
 
     def delete(self, key: str, *, lease: Lease | None = None) -> bool:

@@ -50,7 +50,7 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -716,8 +716,10 @@ class EtcdLeaseStore:
                 out.append(_loads(kvs[0].value, key) if kvs else None)
         return out
 
-    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
-        """Every record whose key starts with ``prefix`` (one range request)."""
+    def scan(self, prefix: str, *, between: Callable[[], None] | None = None
+             ) -> dict[str, dict[str, Any]]:
+        """Every record whose key starts with ``prefix`` (one range request over that prefix
+        only, so ``between`` is never needed)."""
         base = self._k("rec", "")
         out: dict[str, dict[str, Any]] = {}
         for kv in self._range("scan", self._k("rec", prefix)):

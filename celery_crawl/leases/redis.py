@@ -41,7 +41,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -520,13 +520,17 @@ class RedisLeaseStore:
                 out.append(None)
         return out
 
-    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
-        """Every record whose key starts with ``prefix`` (SCAN over the record key space)."""
+    def scan(self, prefix: str, *, between: Callable[[], None] | None = None
+             ) -> dict[str, dict[str, Any]]:
+        """Every record whose key starts with ``prefix`` (SCAN over the whole key space, so
+        O(keys in the database): ``between`` runs between its pages)."""
         pattern = self._k("rec", _glob_escape(prefix)) + "*"
         names: list[str] = []
         with self._translate("scan"):
             cursor = 0
             while True:
+                if cursor and between is not None:
+                    between()
                 self.round_trips += 1
                 cursor, batch = self._redis.scan(cursor=cursor, match=pattern, count=1000)
                 names.extend(str(n) for n in batch)

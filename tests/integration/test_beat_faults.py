@@ -10,6 +10,7 @@ two steps, a populated database), never hoped for with sleeps.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ import pytest
 from celery_crawl import keys
 from celery_crawl.beat import LeasedScheduler
 from celery_crawl.beat.commands import make_command
-from celery_crawl.beat.state import EntryState, SkipLog, parse_slot
+from celery_crawl.beat.state import EntryState, Sent, SkipLog, parse_slot
 from celery_crawl.errors import NotLeader, StoreError
 from celery_crawl.leases import open_store
 from celery_crawl.schedules import TzCron
@@ -221,3 +222,108 @@ def test_peek_then_put_and_ack_is_one_fenced_write(lease_url: str, ns: str) -> N
         assert store.peek("cmds").items == ()
     finally:
         store.close()
+
+
+class LeaseWatch:
+    """Samples the leader lease's server-side TTL from its own connection while a step runs:
+    the lowest TTL seen, and how often the key was missing once taken (the lease lapsed)."""
+
+    def __init__(self, server: RedisServer, ns: str) -> None:
+        self.client = server.client(0)
+        self.key = f"{ns}:lease:{keys.BEAT_LEADER}"
+        self.min_ms: int | None = None
+        self.lapsed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pttl = int(self.client.pttl(self.key))
+            if pttl < 0:
+                if self.min_ms is not None:  # missing after it was first taken
+                    self.lapsed += 1
+            else:
+                self.min_ms = pttl if self.min_ms is None else min(self.min_ms, pttl)
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> LeaseWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.client.close()
+
+
+@pytest.fixture
+def crowded_store() -> Iterator[RedisServer]:
+    """A lease store sharing its database with 2 M foreign keys (loaded with DEBUG POPULATE)."""
+    server = RedisServer(extra=["--enable-debug-command", "yes"]).start()
+    try:
+        server.client(0).execute_command("DEBUG", "POPULATE", 2_000_000, "foreign", 8)
+        yield server
+    finally:
+        server.cleanup()
+
+
+def test_promotion_among_millions_of_foreign_keys_keeps_the_lease(
+    redis_server: RedisServer, crowded_store: RedisServer, ns: str,
+    opened: list[LeasedScheduler]
+) -> None:
+    """The first promotion builds the entry index with one scan of the whole database (2 M
+    keys) and renews the lease between its pages; every later one reads the index and the
+    states by key, so it takes no time however many foreign keys there are."""
+    sched = {f"e{i}": {"task": "t.e", "schedule": MINUTELY} for i in range(3)}
+    app = make_app(redis_server, ns, sched, crawl_lease_url=crowded_store.url_db(0))
+    a = LeasedScheduler(app)
+    opened.append(a)
+    with LeaseWatch(crowded_store, ns) as watch:
+        t0 = time.monotonic()
+        wait_until(lambda: (a.tick(), a.election.is_leader)[1], 30, what="a leads")
+        first = time.monotonic() - t0
+        run_for([a], 0.3)
+        assert a.election.is_leader and set(a.states) == set(sched)
+        t0 = time.monotonic()
+        a._promote()
+        again = time.monotonic() - t0
+    print(f"promotion with 2 M foreign keys: first (index built by a scan) {first:.2f}s, "
+          f"again {again:.3f}s; lowest lease ttl seen {watch.min_ms} ms (ttl 1.5 s)")
+    assert watch.lapsed == 0, f"the lease lapsed during promotion ({watch.lapsed} samples)"
+    assert watch.min_ms is not None and watch.min_ms > 0
+    assert a.election.is_leader
+    assert again < 1.0, again  # a scan of the database alone takes > 2 s here
+    store = open_store(crowded_store.url_db(0), namespace=ns)
+    try:
+        assert store.get(keys.BEAT_INDEX) == {"names": sorted(sched)}
+    finally:
+        store.close()
+
+
+def test_a_delivery_check_through_a_long_backlog_keeps_the_lease(
+    redis_server: RedisServer, ns: str, opened: list[LeasedScheduler]
+) -> None:
+    """A run found neither at a worker nor in a queue 200 k messages long: reading the queue
+    is O(backlog), and the leader renews between its reads instead of letting the lease
+    lapse."""
+    app = make_app(redis_server, ns, {"m": {"task": "t.m", "schedule": MINUTELY}},
+                   crawl_beat_verify_delivery=1.0)
+    a = lead(app, opened)
+    assert a._verify is not None
+    redis_server.client(1).eval(
+        "for i = 1, tonumber(ARGV[1]) do redis.call('LPUSH', KEYS[1], "
+        "'{\"headers\": {\"id\": \"backlog-' .. i .. '\"}, \"body\": \"\"}') end",
+        1, f"q-{ns}", 200_000)
+    st = a.states["m"]
+    st.unverified.append(Sent("never-published", "2026-01-01T00:00:00Z", False,
+                              time.time() - 1))
+    with LeaseWatch(redis_server, ns) as watch:
+        t0 = time.monotonic()
+        a._check_deliveries()
+        took = time.monotonic() - t0
+    redis_server.client(1).delete(f"q-{ns}")
+    print(f"delivery check through a 200 k backlog: {took:.2f}s; lowest lease ttl seen "
+          f"{watch.min_ms} ms (ttl 1.5 s)")
+    assert watch.lapsed == 0, f"the lease lapsed during the check ({watch.lapsed} samples)"
+    assert a.election.is_leader
+    assert st.unverified and st.unverified[0].resent == 1  # looked for everywhere, resent
