@@ -192,14 +192,16 @@ class Clock:
         self._anchor = (best[2], best[3])
         return self.offset_s
 
-    def maybe_recalibrate(self, interval_s: float, k: int = 5) -> float | None:
-        """Calibrate again if the last calibration is older than ``interval_s`` (or missing).
+    def maybe_recalibrate(self, interval_s: float, k: int = 5, *,
+                          deadline: float | None = None) -> float | None:
+        """Calibrate again if the last calibration is older than ``interval_s`` (or missing);
+        ``deadline`` as for :meth:`calibrate`.
 
         Returns:
             The current offset (fresh or kept), or None when never calibrated.
         """
         if self.calibrated_at is None or self._mono() - self.calibrated_at >= interval_s:
-            fresh = self.calibrate(k)
+            fresh = self.calibrate(k, deadline=deadline)
             if fresh is not None:
                 return fresh
         return self.offset_s

@@ -268,21 +268,25 @@ class LeasedScheduler(Scheduler):
         anything is decided on it (see ``clockstep``)."""
         if self._steps is None:
             return
-        left = self.election.remaining_s()
-        deadline = monotonic() + (left / 2 if self.election.is_leader
-                                  else self.config.store_timeout_s)
-        verdict = self._steps.check(deadline=deadline)
+        verdict = self._steps.check(deadline=self._step_deadline())
         self._stepped = verdict is Step.UNKNOWN
         if verdict is Step.REMEASURED:
             assert self._clock is not None
             self._next_skew = monotonic() + SKEW_CHECK_S
             self._judge_skew(self._clock.offset_s)
 
+    def _step_deadline(self) -> float:
+        """When a multi-request step of the election (clock samples) must stop starting
+        requests: half the leader's validity left, so the renewal after it is still in time."""
+        if self.election.is_leader:
+            return monotonic() + self.election.remaining_s() / 2
+        return monotonic() + self.config.store_timeout_s
+
     def _check_skew(self) -> None:
         clock = self._clock
         if clock is None or clock.reference is None:
             return
-        offset = clock.maybe_recalibrate(SKEW_CHECK_S, k=3)
+        offset = clock.maybe_recalibrate(SKEW_CHECK_S, k=3, deadline=self._step_deadline())
         self._next_skew = monotonic() + SKEW_CHECK_S
         self._judge_skew(offset)
 
@@ -882,6 +886,8 @@ class LeasedScheduler(Scheduler):
                 log.warning("beat: backfill %r capped at %d slots", cmd.entry, MAX_BACKFILL)
         producer = self.producer
         for slot in slots:
+            if self.election.renew_due():  # a backfill publishes up to MAX_BACKFILL runs
+                self._renew()
             if not self.election.may_publish():
                 return
             self._publish(entry, st, slot, now, producer, manual=True)
