@@ -4,10 +4,10 @@ from __future__ import annotations
 
 __all__ = [
     "BEAT_COMMANDS",
-    "BEAT_INDEX",
     "BEAT_LEADER",
     "REAPER",
     "beat_entry",
+    "beat_index",
     "beat_presence",
     "beat_skips",
     "done",
@@ -21,8 +21,6 @@ BEAT_LEADER = "beat-leader"
 REAPER = "reaper"
 #: Queue of operator commands (pause/resume/trigger/backfill) the beat leader applies.
 BEAT_COMMANDS = "beat/commands"
-#: Names of the entries that have a stored state (so promotion never scans the store).
-BEAT_INDEX = "beat/index"
 
 
 def worker_lease(holder: str) -> str:
@@ -43,6 +41,11 @@ def done(task_id: str) -> str:
 def beat_entry(name: str) -> str:
     """Durable per-entry slot state."""
     return f"beat/entry/{name}"
+
+
+def beat_index(shard: int) -> str:
+    """One shard of the names of the entries that have a stored state (beat/index.py)."""
+    return f"beat/index/{shard}"
 
 
 def beat_skips(name: str) -> str:

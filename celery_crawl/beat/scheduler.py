@@ -446,7 +446,7 @@ class LeasedScheduler(Scheduler):
         lease = self.election.lease
         assert lease is not None
         now = self._now()
-        indexed, migrated = index.read_index(self._store, between=self._keep_alive)
+        idx = index.EntryIndex.load(self._store, between=self._keep_alive)
         stored = index.read_states(self._store, self.entries, between=self._keep_alive)
         self.states.clear()
         self._skiplogs.clear()
@@ -473,22 +473,22 @@ class LeasedScheduler(Scheduler):
                                 paused=st.paused if st else None)
                 fresh.append(name)
             self.states[name] = st
-        removed = sorted(indexed - self.entries.keys())
+        removed = sorted(idx.names - self.entries.keys())
         if removed and not self._file_errors:
             for i, name in enumerate(removed):
                 if i % 100 == 99:
                     self._keep_alive()
                 self._store.delete(keys.beat_entry(name), lease=lease)
                 self._store.delete(keys.beat_skips(name), lease=lease)
-            indexed.difference_update(removed)  # deleted first, then dropped from the index
+            idx.discard(removed)  # deleted first, then dropped from the index
             log.warning("beat: garbage-collected the state of %d removed entries: %s",
                         len(removed), ", ".join(removed[:10]))
         elif removed:
             log.warning("beat: not garbage-collecting %d unknown entry states while schedule "
                         "files have errors", len(removed))
-        if migrated or removed or not indexed.issuperset(self.entries):
-            # Before any new state is written, so the index always covers what is stored.
-            index.write_index(self._store, indexed | self.entries.keys(), lease=lease)
+        idx.add(self.entries)
+        # Before any new state is written, so the index always covers what is stored.
+        idx.save(self._store, lease=lease, between=self._keep_alive)
         for i, name in enumerate(fresh):
             if i % 1000 == 999:
                 self._keep_alive()
