@@ -695,7 +695,10 @@ class LeasedScheduler(Scheduler):
         if st.buffered_slot is not None and not paused:
             checked = self._in_flight(entry, st, now)
             if checked is None:
-                self._retry_later(name, st, now, None)
+                due = self._next_of.get(name)
+                if due is not None and (due > now or (st.last_slot and due <= st.last_slot)):
+                    due = None  # no slot of its own is due yet: only the buffered one waits
+                self._retry_later(name, st, now, due)
                 return
             if not checked:
                 slot = st.buffered_slot
