@@ -161,7 +161,7 @@ class LeasedScheduler(Scheduler):
             return self._publisher.queue_names(entry) if entry is not None else []
 
         self._verify = DeliveryCheck(self._store, broker, after, queues_of,
-                                     between=self._keep_alive)
+                                     between=self._between_checks)
         log.info("beat: runs not seen at a worker %gs after publishing are looked for in the "
                  "broker and published again if lost", after)
 
@@ -508,6 +508,15 @@ class LeasedScheduler(Scheduler):
             self._renew()
         if not self.election.is_leader:
             raise LeaseLost("the lease was lost during a long step of the beat loop")
+
+    def _between_checks(self) -> None:
+        """Between the requests of a long delivery check (a queue read is O(backlog)): renew,
+        and dispatch what came due meanwhile, so the schedule does not wait for the check."""
+        self._keep_alive()
+        peek = self._due.peek()
+        if peek is not None and not self._stepped and peek[1] <= self._now():
+            self._dispatch_due()
+            self._keep_alive()
 
     def _schedule(self, name: str, st: EntryState) -> None:
         """Put ``name`` on the heap at the fire time of its next slot (or a buffer re-check)."""

@@ -99,6 +99,14 @@ def test_a_wall_clock_step_between_skew_checks_publishes_nothing_early(
     assert a._steps is not None and a._steps.steps >= 2  # set ahead, then back
 
 
+def store_get(server: RedisServer, ns: str, key: str) -> Any:
+    store = open_store(server.url_db(0), namespace=ns)
+    try:
+        return store.get(key)
+    finally:
+        store.close()
+
+
 def _poison(server: RedisServer, ns: str, record: str) -> None:
     """Foreign bytes where a record should be: every read of it fails with StoreDataError."""
     server.client(0).hset(f"{ns}:rec:{record}", "v", "not json")
@@ -306,9 +314,11 @@ def test_a_delivery_check_through_a_long_backlog_keeps_the_lease(
 ) -> None:
     """A run found neither at a worker nor in a queue 200 k messages long: reading the queue
     is O(backlog), and the leader renews between its reads instead of letting the lease
-    lapse."""
-    app = make_app(redis_server, ns, {"m": {"task": "t.m", "schedule": MINUTELY}},
-                   crawl_beat_verify_delivery=1.0)
+    lapse, and dispatches an every-second entry meanwhile."""
+    sched = {"m": {"task": "t.m", "schedule": MINUTELY},
+             "s": {"task": "t.s", "schedule": EVERY_SECOND,
+                   "options": {"queue": f"other-{ns}", "crawl_overlap": "allow"}}}
+    app = make_app(redis_server, ns, sched, crawl_beat_verify_delivery=1.0)
     a = lead(app, opened)
     assert a._verify is not None
     redis_server.client(1).eval(
@@ -320,13 +330,24 @@ def test_a_delivery_check_through_a_long_backlog_keeps_the_lease(
     st = a.states["m"]
     st.unverified.append(Sent("never-published", "2026-01-01T00:00:00Z", False,
                               time.time() - 1))
+    for other in a.states.values():  # only the lost run is due for a look
+        for sent in other.unverified:
+            if sent.task_id != "never-published":
+                sent.check_at = time.time() + 60
+    runs_before = a.states["s"].run_count
+    skips_before = SkipLog.from_record(store_get(redis_server, ns, keys.beat_skips("s")))
     with LeaseWatch(redis_server, ns) as watch:
         t0 = time.monotonic()
         a._check_deliveries()
         took = time.monotonic() - t0
     redis_server.client(1).delete(f"q-{ns}")
-    print(f"delivery check through a 200 k backlog: {took:.2f}s; lowest lease ttl seen "
-          f"{watch.min_ms} ms (ttl 1.5 s)")
+    ran = a.states["s"].run_count - runs_before
+    print(f"delivery check through a 200 k backlog: {took:.2f}s, {ran} runs of an "
+          f"every-second entry dispatched meanwhile; lowest lease ttl seen {watch.min_ms} ms "
+          f"(ttl 1.5 s)")
     assert watch.lapsed == 0, f"the lease lapsed during the check ({watch.lapsed} samples)"
     assert a.election.is_leader
     assert st.unverified and st.unverified[0].resent == 1  # looked for everywhere, resent
+    assert ran >= int(took) - 1, (ran, took)  # the schedule did not wait for the check
+    skips = SkipLog.from_record(store_get(redis_server, ns, keys.beat_skips("s")))
+    assert skips.totals == skips_before.totals, (skips_before.totals, skips.totals)
