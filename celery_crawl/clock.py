@@ -10,6 +10,12 @@ which has no clock, the broker's or result backend's Redis through :class:`Redis
 the way NTP does: for a sample sent at local ``t0`` and answered at ``t1`` with server time ``s``,
 ``offset = s - (t0 + t1) / 2`` with uncertainty ``(t1 - t0) / 2``; of ``k`` samples the one with
 the smallest round trip wins, because queueing delay is what makes the midpoint wrong.
+
+Between calibrations the wall clock may be *stepped* (``date -s``, a VM restored from a
+snapshot, an NTP step): the offset measured before the step is then wrong by the step's size,
+and a slot decided on it fires early or late by as much. :meth:`Clock.step_s` finds a step by
+comparing how far the wall clock and ``CLOCK_BOOTTIME`` advanced since the last calibration;
+both count suspend, so they advance together unless the wall clock was set.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from .config import mask_url
@@ -85,10 +92,18 @@ class Clock:
 
     Args:
         reference: the clock to calibrate against, or None.
+        wall: the local wall clock (``time.time``; tests inject one they can step).
+        mono: ``CLOCK_BOOTTIME`` (tests may inject a fake, with a fake lease store only).
     """
 
-    def __init__(self, reference: ReferenceClock | None = None) -> None:
+    def __init__(self, reference: ReferenceClock | None = None, *,
+                 wall: Callable[[], float] = time.time,
+                 mono: Callable[[], float] | None = None) -> None:
         self.reference = reference
+        self._wall = wall
+        self._mono = mono or monotonic
+        #: ``(mono, wall)`` read together at the last calibration (or the last accepted step).
+        self._anchor: tuple[float, float] | None = None
         #: reference minus local wall clock, in seconds; None until calibrated.
         self.offset_s: float | None = None
         #: half the round trip of the sample the offset came from; None until calibrated.
@@ -96,22 +111,54 @@ class Clock:
         #: ``monotonic()`` of the last successful calibration.
         self.calibrated_at: float | None = None
 
-    @staticmethod
-    def monotonic() -> float:
+    def monotonic(self) -> float:
         """``CLOCK_BOOTTIME`` seconds (see the module function)."""
-        return monotonic()
+        return self._mono()
 
-    @staticmethod
-    def wall() -> float:
+    def wall(self) -> float:
         """The local wall clock, uncorrected, in UNIX seconds."""
-        return time.time()
+        return self._wall()
 
     def now(self) -> dt.datetime:
-        """The reference's current time as an aware UTC datetime (local wall clock + offset)."""
-        return dt.datetime.fromtimestamp(self.wall() + (self.offset_s or 0.0), dt.UTC)
+        """The reference's current time as an aware UTC datetime.
 
-    def calibrate(self, k: int = 5) -> float | None:
+        The local wall clock plus the offset, but never later than the reference time at the
+        last calibration plus the ``CLOCK_BOOTTIME`` elapsed since: a wall clock set ahead
+        after the calibration cannot make the result run ahead of the reference (a clock set
+        back makes it late, which :meth:`step_s` reports).
+        """
+        mono, wall = self._mono(), self._wall()
+        offset = self.offset_s or 0.0
+        stamp = wall + offset
+        if self._anchor is not None and self.offset_s is not None:
+            stamp = min(stamp, self._anchor[1] + offset + (mono - self._anchor[0]))
+        return dt.datetime.fromtimestamp(stamp, dt.UTC)
+
+    def step_s(self) -> float:
+        """How far the wall clock was set (stepped) since the last calibration, in seconds.
+
+        The wall clock's advance minus ``CLOCK_BOOTTIME``'s: 0 while nobody sets the clock
+        (NTP slewing adds at most 0.5 ms/s); positive when it was set ahead. Without an anchor
+        yet, the first call takes one and returns 0.
+        """
+        mono, wall = self._mono(), self._wall()
+        if self._anchor is None:
+            self._anchor = (mono, wall)
+            return 0.0
+        return (wall - self._anchor[1]) - (mono - self._anchor[0])
+
+    def accept_step(self) -> None:
+        """Take the wall clock as it is now as the new anchor (without a reference to tell
+        which of the two readings was right, the newer one is kept, after a refused tick)."""
+        self._anchor = (self._mono(), self._wall())
+
+    def calibrate(self, k: int = 5, *, deadline: float | None = None) -> float | None:
         """Take ``k`` samples of the reference and keep the one with the smallest round trip.
+
+        Args:
+            k: samples to take.
+            deadline: ``CLOCK_BOOTTIME`` instant after which no further sample is started (a
+                caller holding a lease bounds the calibration by its validity).
 
         Returns:
             The new offset in seconds, or None when the reference has no clock or every sample
@@ -119,37 +166,42 @@ class Clock:
         """
         if self.reference is None:
             return None
-        best: tuple[float, float] | None = None  # (rtt, offset)
-        for _ in range(max(1, k)):
-            t0_mono, t0_wall = monotonic(), self.wall()
+        best: tuple[float, float, float, float] | None = None  # (rtt, offset, mono, wall)
+        for i in range(max(1, k)):
+            if i and deadline is not None and self._mono() >= deadline:
+                break
+            t0_mono, t0_wall = self._mono(), self.wall()
             try:
                 server = self.reference.server_time()
             except StoreError as exc:
                 log.warning("clock calibration sample failed: %s", exc)
                 continue
-            rtt = monotonic() - t0_mono
+            rtt = self._mono() - t0_mono
             if server is None:
                 return None
             # The wall clock is read once; the round trip is measured on the monotonic clock so
             # a wall-clock step during the sample cannot fake a tiny or negative delay.
             offset = server - (t0_wall + rtt / 2)
             if best is None or rtt < best[0]:
-                best = (rtt, offset)
+                best = (rtt, offset, t0_mono, t0_wall)
         if best is None:
             return None
         self.offset_s = best[1]
         self.uncertainty_s = best[0] / 2
-        self.calibrated_at = monotonic()
+        self.calibrated_at = self._mono()
+        self._anchor = (best[2], best[3])
         return self.offset_s
 
-    def maybe_recalibrate(self, interval_s: float, k: int = 5) -> float | None:
-        """Calibrate again if the last calibration is older than ``interval_s`` (or missing).
+    def maybe_recalibrate(self, interval_s: float, k: int = 5, *,
+                          deadline: float | None = None) -> float | None:
+        """Calibrate again if the last calibration is older than ``interval_s`` (or missing);
+        ``deadline`` as for :meth:`calibrate`.
 
         Returns:
             The current offset (fresh or kept), or None when never calibrated.
         """
-        if self.calibrated_at is None or monotonic() - self.calibrated_at >= interval_s:
-            fresh = self.calibrate(k)
+        if self.calibrated_at is None or self._mono() - self.calibrated_at >= interval_s:
+            fresh = self.calibrate(k, deadline=deadline)
             if fresh is not None:
                 return fresh
         return self.offset_s

@@ -7,6 +7,7 @@ __all__ = [
     "BEAT_LEADER",
     "REAPER",
     "beat_entry",
+    "beat_index",
     "beat_presence",
     "beat_skips",
     "done",
@@ -40,6 +41,11 @@ def done(task_id: str) -> str:
 def beat_entry(name: str) -> str:
     """Durable per-entry slot state."""
     return f"beat/entry/{name}"
+
+
+def beat_index(shard: int) -> str:
+    """One shard of the names of the entries that have a stored state (beat/index.py)."""
+    return f"beat/index/{shard}"
 
 
 def beat_skips(name: str) -> str:

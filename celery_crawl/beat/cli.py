@@ -72,7 +72,8 @@ def register(group: click.Group) -> None:
     def resume(ctx: click.Context, name: str) -> None:
         _push(ctx, "resume", name)
 
-    @group.command("trigger", help="Run entry NAME now (slot = now, marked crawl_manual).")
+    @group.command("trigger", help="Run entry NAME now (slot = the instant the command was "
+                   "issued, marked crawl_manual).")
     @click.argument("name")
     @click.pass_context
     def trigger(ctx: click.Context, name: str) -> None:

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -41,13 +41,15 @@ from ..errors import (
     StoreError,
 )
 from ..leases import make_holder, store_for
-from ..leases.base import Characteristic, LeaseStore
+from ..leases.base import Characteristic, LeaseStore, Taken
 from ..schedules import DueHeap, check_duplicates_with_beat_schedule, load_schedule_files
+from . import index
+from .clockstep import Step, StepGuard
 from .commands import MAX_BACKFILL, Command, parse_command
 from .election import Action, Election
 from .entries import BeatEntry, from_beat_schedule, from_spec
 from .publish import Publisher
-from .slots import SkipRange, iter_slots, plan
+from .slots import SkipRange, blame, iter_slots, plan
 from .state import EntryState, Sent, SkipLog, format_slot, parse_slot
 from .verify import DeliveryCheck
 
@@ -56,8 +58,10 @@ __all__ = ["LeasedScheduler"]
 log = logging.getLogger("celery_crawl.beat")
 
 ROLE = "beat"
-#: How often the leader pops the operator command queue.
+#: How often the leader reads the operator command queue.
 COMMAND_POLL_S = 0.5
+#: Commands applied and recorded together (one fenced write; etcd: one transaction).
+COMMAND_BATCH = 20
 #: How often schedule files are checked for changes (mtime poll).
 RELOAD_POLL_S = 1.0
 #: How often the wall clock is compared with the reference clock.
@@ -72,6 +76,8 @@ BUFFER_RECHECK_S = 1.0
 PRESENCE_TTLS = 3
 #: How often the leader runs the delivery check (``crawl_beat_verify_delivery``).
 VERIFY_POLL_S = 1.0
+#: A slot the store could not decide (previous run in flight?) is tried again this soon.
+STORE_RETRY_S = 0.5
 
 
 class LeasedScheduler(Scheduler):
@@ -81,8 +87,11 @@ class LeasedScheduler(Scheduler):
     ``beat_schedule`` plus the schedule files of ``crawl_schedule_paths``.
     """
 
-    def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, app: Any, *args: Any, wall_clock: Callable[[], float] | None = None,
+                 **kwargs: Any) -> None:
         self.config = CrawlConfig.from_app(app)
+        #: the local wall clock (``time.time``; tests pass one they can set)
+        self._wall_clock = wall_clock or time.time
         self.replica_id = make_holder()
         self.election = Election(self.config.beat_lease_ttl_s, clock=monotonic)
         self.entries: dict[str, BeatEntry] = {}
@@ -92,9 +101,13 @@ class LeasedScheduler(Scheduler):
         self._next_of: dict[str, datetime | None] = {}
         self._pending: dict[str, dict[str, Any]] = {}
         self._pending_states: set[str] = set()
+        #: entry -> its oldest slot left undecided by a store error, retried on later ticks
+        self._undecided: dict[str, datetime] = {}
         self._done_cache: dict[str, bool] = {}
         self._store: LeaseStore | None = None
         self._clock: Clock | None = None
+        self._steps: StepGuard | None = None
+        self._stepped = False  # the wall clock was set and is not measured again yet
         self._publisher = Publisher(app, self.config.namespace)
         self._file_sig: tuple[tuple[str, int, int], ...] | None = None
         self._file_entries: dict[str, BeatEntry] = {}
@@ -110,7 +123,7 @@ class LeasedScheduler(Scheduler):
         self._closed = False
         self._verify: DeliveryCheck | None = None
         self._next_verify = 0.0
-        self._started = format_slot(datetime.now(UTC).replace(microsecond=0))
+        self._started = format_slot(datetime.fromtimestamp(int(self._wall_clock()), UTC))
         super().__init__(app, *args, **kwargs)
 
     # -- Celery hooks -------------------------------------------------------------------------
@@ -122,7 +135,8 @@ class LeasedScheduler(Scheduler):
         except ConfigError as exc:  # a busy port must not take the scheduler down
             log.error("beat: metrics are off: %s", exc)
         self._store = store_for(self.config)
-        self._clock = Clock(self._reference())
+        self._clock = Clock(self._reference(), wall=self._wall_clock)
+        self._steps = StepGuard(self._clock, self.config.max_clock_skew_s / 2)
         self._check_store_fitness()
         self._setup_verify()
         self._reload(force=True)
@@ -147,7 +161,8 @@ class LeasedScheduler(Scheduler):
             entry = self.entries.get(name)
             return self._publisher.queue_names(entry) if entry is not None else []
 
-        self._verify = DeliveryCheck(self._store, broker, after, queues_of)
+        self._verify = DeliveryCheck(self._store, broker, after, queues_of,
+                                     between=self._between_checks)
         log.info("beat: runs not seen at a worker %gs after publishing are looked for in the "
                  "broker and published again if lost", after)
 
@@ -165,10 +180,17 @@ class LeasedScheduler(Scheduler):
         if now_m >= self._next_reload:
             self._next_reload = now_m + RELOAD_POLL_S
             self._reload()
+        self._check_step()
         self._election_step()
-        if self.election.is_leader:
+        if self.election.is_leader and not self._stepped:
             self._leader_step()
         return self._sleep_s()
+
+    def _now(self) -> datetime:
+        """The reference clock's time (wall clock plus measured offset, see ``Clock.now``)."""
+        if self._clock is None:
+            return datetime.fromtimestamp(self._wall_clock(), UTC)
+        return self._clock.now()
 
     def close(self) -> None:
         """Flush state, release the lease (a standby takes over at once), close the store."""
@@ -242,12 +264,34 @@ class LeasedScheduler(Scheduler):
         self._next_eviction = monotonic() + EVICTION_CHECK_S
         self._apply_block()
 
+    def _check_step(self) -> None:
+        """Every tick: a wall clock set since the last calibration is measured again before
+        anything is decided on it (see ``clockstep``)."""
+        if self._steps is None:
+            return
+        verdict = self._steps.check(deadline=self._step_deadline())
+        self._stepped = verdict is Step.UNKNOWN
+        if verdict is Step.REMEASURED:
+            assert self._clock is not None
+            self._next_skew = monotonic() + SKEW_CHECK_S
+            self._judge_skew(self._clock.offset_s)
+
+    def _step_deadline(self) -> float:
+        """When a multi-request step of the election (clock samples) must stop starting
+        requests: half the leader's validity left, so the renewal after it is still in time."""
+        if self.election.is_leader:
+            return monotonic() + self.election.remaining_s() / 2
+        return monotonic() + self.config.store_timeout_s
+
     def _check_skew(self) -> None:
         clock = self._clock
         if clock is None or clock.reference is None:
             return
-        offset = clock.maybe_recalibrate(SKEW_CHECK_S, k=3)
+        offset = clock.maybe_recalibrate(SKEW_CHECK_S, k=3, deadline=self._step_deadline())
         self._next_skew = monotonic() + SKEW_CHECK_S
+        self._judge_skew(offset)
+
+    def _judge_skew(self, offset: float | None) -> None:
         if offset is None:
             # Never measured: fail closed (a replica whose skew is unknown may be the skewed
             # one) and try again soon. A failed re-measurement keeps the last known offset.
@@ -295,6 +339,8 @@ class LeasedScheduler(Scheduler):
         action = self.election.action(now)
         if action is Action.RENEW:
             self._renew()
+        elif action is Action.ACQUIRE and self._stepped:
+            self.election.not_acquired()  # promotion would start fresh entries on a set clock
         elif action is Action.ACQUIRE:
             self._acquire()
         if self.election.presence_due():
@@ -369,6 +415,7 @@ class LeasedScheduler(Scheduler):
         self._skiplogs.clear()
         self._due = DueHeap()
         self._next_of.clear()
+        self._undecided.clear()
         log.error("beat replica %s stopped dispatching and is standing by: %s%s",
                   self.replica_id, reason,
                   f" ({dropped} unwritten entry states left to the next leader)"
@@ -388,7 +435,7 @@ class LeasedScheduler(Scheduler):
             "blocked": self.election.blocked_reason,
             "entries": len(self.entries),
             "started": self._started,
-            "last_seen": format_slot(datetime.now(UTC)),
+            "last_seen": format_slot(self._now()),
         }
         try:
             self._store.put(keys.beat_presence(self.replica_id), record,
@@ -404,19 +451,20 @@ class LeasedScheduler(Scheduler):
         assert self._store is not None
         lease = self.election.lease
         assert lease is not None
-        now = datetime.now(UTC)
-        prefix = keys.beat_entry("")
-        stored = self._store.scan(prefix)
+        now = self._now()
+        idx = index.EntryIndex.load(self._store, between=self._keep_alive)
+        stored = index.read_states(self._store, self.entries, between=self._keep_alive)
         self.states.clear()
         self._skiplogs.clear()
         self._due = DueHeap()
         self._next_of.clear()
+        self._undecided.clear()
         fresh: list[str] = []
         for i, (name, entry) in enumerate(self.entries.items()):
             if i % 1000 == 999:
                 self._keep_alive()
             key = keys.beat_entry(name)
-            record = stored.get(key)
+            record = stored.get(name)
             st: EntryState | None = None
             if record is not None:
                 try:
@@ -431,17 +479,22 @@ class LeasedScheduler(Scheduler):
                                 paused=st.paused if st else None)
                 fresh.append(name)
             self.states[name] = st
-        removed = [k for k in stored if k[len(prefix):] not in self.entries]
+        removed = sorted(idx.names - self.entries.keys())
         if removed and not self._file_errors:
-            for key in removed:
-                name = key[len(prefix):]
-                self._store.delete(key, lease=lease)
+            for i, name in enumerate(removed):
+                if i % 100 == 99:
+                    self._keep_alive()
+                self._store.delete(keys.beat_entry(name), lease=lease)
                 self._store.delete(keys.beat_skips(name), lease=lease)
+            idx.discard(removed)  # deleted first, then dropped from the index
             log.warning("beat: garbage-collected the state of %d removed entries: %s",
-                        len(removed), ", ".join(k[len(prefix):] for k in removed[:10]))
+                        len(removed), ", ".join(removed[:10]))
         elif removed:
             log.warning("beat: not garbage-collecting %d unknown entry states while schedule "
                         "files have errors", len(removed))
+        idx.add(self.entries)
+        # Before any new state is written, so the index always covers what is stored.
+        idx.save(self._store, lease=lease, between=self._keep_alive)
         for i, name in enumerate(fresh):
             if i % 1000 == 999:
                 self._keep_alive()
@@ -455,11 +508,21 @@ class LeasedScheduler(Scheduler):
                  len(fresh), self._describe_next())
 
     def _keep_alive(self) -> None:
-        """Renew during long work (promotion with many entries) so the lease cannot lapse."""
+        """Renew during long work (promotion, a delivery check reading a long queue) so the
+        lease cannot lapse; raises ``LeaseLost`` to abort the work once it is gone."""
         if self.election.renew_due():
             self._renew()
         if not self.election.is_leader:
-            raise LeaseLost("the lease was lost while loading entry states")
+            raise LeaseLost("the lease was lost during a long step of the beat loop")
+
+    def _between_checks(self) -> None:
+        """Between the requests of a long delivery check (a queue read is O(backlog)): renew,
+        and dispatch what came due meanwhile, so the schedule does not wait for the check."""
+        self._keep_alive()
+        peek = self._due.peek()
+        if peek is not None and not self._stepped and peek[1] <= self._now():
+            self._dispatch_due()
+            self._keep_alive()
 
     def _schedule(self, name: str, st: EntryState) -> None:
         """Put ``name`` on the heap at the fire time of its next slot (or a buffer re-check)."""
@@ -468,11 +531,11 @@ class LeasedScheduler(Scheduler):
             return
         nxt = self._next_of.get(name)
         if nxt is None or (st.last_slot is not None and nxt <= st.last_slot):
-            nxt = entry.source.next_slot(st.last_slot or datetime.now(UTC))
+            nxt = entry.source.next_slot(st.last_slot or self._now())
         self._next_of[name] = nxt
         when = entry.fire_time(nxt) if nxt is not None else None
         if st.buffered_slot is not None:
-            recheck = datetime.now(UTC) + timedelta(
+            recheck = self._now() + timedelta(
                 seconds=min(BUFFER_RECHECK_S, entry.period_s(st.buffered_slot)))
             when = recheck if when is None else min(when, recheck)
         if when is None:
@@ -485,9 +548,10 @@ class LeasedScheduler(Scheduler):
         if len(self._pending_states) + len(self._pending) >= FLUSH_EVERY:
             self._flush()
 
-    def _flush(self) -> None:
-        """Write queued state records with the leader lease (after the publishes they record)."""
-        if not self._pending_states and not self._pending:
+    def _flush(self, *, ack: Taken | None = None) -> None:
+        """Write queued state records with the leader lease (after the publishes they record);
+        with ``ack``, the commands they apply leave their queue in the same write."""
+        if not self._pending_states and not self._pending and ack is None:
             self._flush_failed = False
             return
         assert self._store is not None
@@ -498,7 +562,10 @@ class LeasedScheduler(Scheduler):
                  if n in self.states]
         items += list(self._pending.items())
         try:
-            self._store.put_many(items, lease=lease)
+            if ack is not None:
+                self._store.put_and_ack(items, ack, lease=lease)
+            else:
+                self._store.put_many(items, lease=lease)
         except (NotLeader, FencedError) as exc:
             self._demote(f"state write refused: {exc}")
             return
@@ -592,7 +659,7 @@ class LeasedScheduler(Scheduler):
 
     def _dispatch_due(self) -> None:
         peek = self._due.peek()
-        now = datetime.now(UTC)
+        now = self._now()
         if peek is None or peek[1] > now:
             return
         due = self._due.pop_due(now)
@@ -642,6 +709,12 @@ class LeasedScheduler(Scheduler):
         checked: bool | None = None  # previous run in flight, asked once per entry per tick
         if st.buffered_slot is not None and not paused:
             checked = self._in_flight(entry, st, now)
+            if checked is None:
+                due = self._next_of.get(name)
+                if due is not None and (due > now or (st.last_slot and due <= st.last_slot)):
+                    due = None  # no slot of its own is due yet: only the buffered one waits
+                self._retry_later(name, st, now, due)
+                return
             if not checked:
                 slot = st.buffered_slot
                 st.buffered_slot = None
@@ -659,6 +732,9 @@ class LeasedScheduler(Scheduler):
         else:
             p = plan(entry.source, st.last_slot, now, entry.catchup)
             run, skipped, newest, nxt = p.run, p.skipped, p.last_slot, p.next_slot
+        undecided = self._undecided.pop(name, None)
+        if undecided is not None and undecided not in run:
+            skipped = blame(skipped, undecided, "store_error", entry.source)
         for skip in skipped:
             self._record_skip(name, st, skip)
         batch_published = False  # catch-up runs published together are not checked
@@ -668,6 +744,9 @@ class LeasedScheduler(Scheduler):
                 continue
             if checked is None and entry.overlap != "allow":
                 checked = self._in_flight(entry, st, now)
+                if checked is None:
+                    self._retry_later(name, st, now, slot)
+                    return
             if checked and entry.overlap != "allow" and not batch_published:
                 if entry.overlap == "skip":
                     self._record_skip(name, st, SkipRange(slot, slot, 1, "overlap"))
@@ -698,8 +777,20 @@ class LeasedScheduler(Scheduler):
         self._queue_state(name)
         self._schedule(name, st)
 
-    def _in_flight(self, entry: BeatEntry, st: EntryState, now: datetime) -> bool:
-        """Whether the entry's previous run may still be queued or running.
+    def _retry_later(self, name: str, st: EntryState, now: datetime,
+                     slot: datetime | None) -> None:
+        """The store could not tell whether the previous run is in flight: leave ``slot`` (and
+        what follows it) undecided and try again shortly. It runs if the store answers while
+        the catch-up policy still runs it; otherwise it is skipped as ``store_error``."""
+        if slot is not None:
+            self._undecided.setdefault(name, slot)
+            self._next_of[name] = slot
+        self._queue_state(name)
+        self._due.push(name, now + timedelta(seconds=STORE_RETRY_S))
+
+    def _in_flight(self, entry: BeatEntry, st: EntryState, now: datetime) -> bool | None:
+        """Whether the entry's previous run may still be queued or running (None: the store
+        could not tell; the caller decides later rather than guess).
 
         A claim on ``task:<id>`` (the worker plugin claims every task it receives) means it
         is running or about to be recovered; a ``done/<id>`` tombstone means it finished.
@@ -719,9 +810,9 @@ class LeasedScheduler(Scheduler):
             if self._store.claimant(keys.task_claim(st.last_task_id)) is not None:
                 return True
         except StoreError as exc:
-            log.warning("beat: cannot read the state of %s (%s); assuming it is in flight",
-                        st.last_task_id, exc)
-            return True
+            log.warning("beat: cannot read the state of %s (%s); deciding entry %r again in "
+                        "%gs", st.last_task_id, exc, entry.name, STORE_RETRY_S)
+            return None
         window = entry.period_s(st.last_run_slot)
         if entry.expires_s is not None:
             window = min(window, entry.expires_s)
@@ -762,27 +853,30 @@ class LeasedScheduler(Scheduler):
 
     # -- operator commands ---------------------------------------------------------------------
     def _apply_commands(self) -> None:
+        """Read commands without taking them, apply them, then record their effect and take
+        them off the queue in one fenced write: a leader deposed in between leaves them to
+        the next one, which applies them again (pause/resume are idempotent; trigger and
+        backfill publish the same task ids again, which the worker's claim deduplicates)."""
         assert self._store is not None
-        lease = self.election.lease
-        if lease is None:
+        if self.election.lease is None:
             return
         try:
-            records = self._store.pop_all(keys.BEAT_COMMANDS, lease=lease)
-        except (NotLeader, FencedError) as exc:
-            self._demote(f"command queue refused: {exc}")
-            return
+            taken = self._store.peek(keys.BEAT_COMMANDS, limit=COMMAND_BATCH)
         except StoreError as exc:
             log.debug("beat: cannot read the command queue: %s", exc)
             return
-        for record in records:
+        if not taken.handle:
+            return
+        for record in taken.items:
             try:
                 cmd = parse_command(record)
             except ValueError as exc:
                 log.error("beat: dropping a malformed command: %s", exc)
                 continue
             self._apply(cmd)
-        if records:
-            self._flush()
+            if not self.election.may_publish():
+                return  # the effects so far are left unrecorded: the next leader redoes them
+        self._flush(ack=taken)
 
     def _apply(self, cmd: Command) -> None:
         entry = self.entries.get(cmd.entry)
@@ -792,13 +886,15 @@ class LeasedScheduler(Scheduler):
                       len(self.entries))
             return
         log.warning("beat: applying %s %r from %s", cmd.op, cmd.entry, cmd.issued_by or "?")
-        now = datetime.now(UTC)
+        now = self._now()
         if cmd.op in ("pause", "resume"):
             st.paused = cmd.op == "pause"
             self._queue_state(cmd.entry)
             return
         if cmd.op == "trigger":
-            slots: Iterable[datetime] = [now.replace(microsecond=0)]
+            # The instant it was issued, not applied: applied again by a next leader, it is
+            # the same run (the same task id).
+            slots: Iterable[datetime] = [cmd.issued_at or now.replace(microsecond=0)]
         else:
             assert cmd.start is not None and cmd.end is not None
             end = min(cmd.end, now)
@@ -808,6 +904,8 @@ class LeasedScheduler(Scheduler):
                 log.warning("beat: backfill %r capped at %d slots", cmd.entry, MAX_BACKFILL)
         producer = self.producer
         for slot in slots:
+            if self.election.renew_due():  # a backfill publishes up to MAX_BACKFILL runs
+                self._renew()
             if not self.election.may_publish():
                 return
             self._publish(entry, st, slot, now, producer, manual=True)
@@ -892,7 +990,7 @@ class LeasedScheduler(Scheduler):
             s = min(s, self._next_commands - now_m)
             peek = self._due.peek()
             if peek is not None:
-                s = min(s, (peek[1] - datetime.now(UTC)).total_seconds())
+                s = min(s, (peek[1] - self._now()).total_seconds())
             if self._flush_failed:
                 s = min(s, 0.2)
             if self._verify is not None:

@@ -30,6 +30,7 @@ __all__ = [
     "Plan",
     "SkipRange",
     "SlotSource",
+    "blame",
     "iter_slots",
     "plan",
 ]
@@ -177,3 +178,29 @@ def plan(
             skipped.append(SkipRange(older[0], older[-1], len(older), "catchup_max"))
     newest = due[-1] if due else cursor
     return Plan(tuple(run), tuple(skipped), newest, source.next_slot(max(now, newest)))
+
+
+def blame(skipped: tuple[SkipRange, ...], slot: datetime, reason: str,
+          source: SlotSource) -> tuple[SkipRange, ...]:
+    """``skipped`` with ``slot`` given its own range and ``reason``.
+
+    A slot that could not be decided when it was due (the store could not tell whether the
+    previous run was still in flight) was retried on later ticks; when the plan finally skips
+    it (missed, superseded, outside the window) the skip is the store's doing, not the
+    policy's, and it is counted as such. The other slots of its range keep their reason.
+    """
+    out: list[SkipRange] = []
+    for r in skipped:
+        if not r.first <= slot <= r.last:
+            out.append(r)
+            continue
+        before = list(iter_slots(source, r.first - timedelta(microseconds=1),
+                                 slot - timedelta(microseconds=1), limit=r.count))
+        if before:
+            out.append(SkipRange(before[0], before[-1], len(before), r.reason, r.approx))
+        out.append(SkipRange(slot, slot, 1, reason))
+        rest = r.count - len(before) - 1
+        after = source.next_slot(slot)
+        if rest > 0 and after is not None and after <= r.last:
+            out.append(SkipRange(after, r.last, rest, r.reason, r.approx))
+    return tuple(out)

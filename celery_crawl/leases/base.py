@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "Lease",
     "LeaseStore",
     "StoreDiagnostics",
+    "Taken",
     "require",
 ]
 
@@ -97,6 +98,27 @@ class Claim:
     token: int
     value: Mapping[str, Any]
     alive: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Taken:
+    """Items read from the head of a queue and not yet removed (``peek``).
+
+    They leave the queue only with the write that records what they caused
+    (``put_and_ack``), so a consumer deposed in between loses nothing: the next one reads
+    them again.
+
+    Attributes:
+        queue: the queue's logical name.
+        items: the items that are records, oldest first (foreign data is logged and left out,
+            and removed with the rest).
+        handle: driver-private identity of every item read (Redis: the raw values; etcd: key
+            and mod revision), checked again when they are removed.
+    """
+
+    queue: str
+    items: tuple[dict[str, Any], ...]
+    handle: tuple[Any, ...]
 
 
 @runtime_checkable
@@ -205,8 +227,12 @@ class LeaseStore(Protocol):
         """``get`` for several keys in one round trip."""
         ...
 
-    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
-        """Every record whose key starts with ``prefix`` (keys returned without the namespace)."""
+    def scan(self, prefix: str, *, between: Callable[[], None] | None = None
+             ) -> dict[str, dict[str, Any]]:
+        """Every record whose key starts with ``prefix`` (keys returned without the namespace).
+
+        ``between`` is called between the requests of a scan that takes several (Redis
+        ``SCAN`` pages): a lease holder renews there, and may raise to abort the scan."""
         ...
 
     def delete(self, key: str, *, lease: Lease | None = None) -> bool:
@@ -223,6 +249,17 @@ class LeaseStore(Protocol):
     ]:
         """Take up to ``limit`` items from the head of the queue, atomically (fenced by
         ``lease`` when given, so only the leader consumes)."""
+        ...
+
+    def peek(self, queue: str, *, limit: int = 100) -> Taken:
+        """Read up to ``limit`` items from the head of the queue without removing them."""
+        ...
+
+    def put_and_ack(self, items: Sequence[tuple[str, Mapping[str, Any]]], taken: Taken, *,
+                    lease: Lease) -> None:
+        """Write records (fenced by ``lease``, persistent) and remove ``taken`` from the head
+        of its queue, in one write: both or neither. Raises ``NotLeader``/``FencedError`` as
+        ``put`` does, and ``StoreError`` if the head of the queue is no longer ``taken``."""
         ...
 
     # -- misc -------------------------------------------------------------------------------

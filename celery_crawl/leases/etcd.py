@@ -50,7 +50,7 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -68,7 +68,7 @@ from ..errors import (
 )
 from ._urls import masked_url as mask_url
 from ._urls import split_credentials
-from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease
+from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease, Taken
 
 __all__ = ["ETCD_MIN_TTL_S", "EtcdLeaseStore", "import_etcd3", "parse_etcd_url"]
 
@@ -678,13 +678,14 @@ class EtcdLeaseStore:
             self._fenced_txn("put", [k for k, _ in batch], ops, lease)
 
     def _fenced_txn(self, what: str, keys: Sequence[str], ops: Sequence[Any],
-                    lease: Lease | None) -> Any:
-        """Run ``ops`` iff ``lease`` is current and no writer token of ``keys`` is newer."""
+                    lease: Lease | None, *, also: Sequence[Any] = ()) -> Any:
+        """Run ``ops`` iff ``lease`` is current, no writer token of ``keys`` is newer and the
+        compares ``also`` hold."""
         if lease is None:
             return self._txn(what, [], ops)
         for _ in range(_OCC_ATTEMPTS):
             read = self._txn(what, [], [self._get(self._k("rtok", k)) for k in keys])
-            compare = self._lease_current(lease)
+            compare = [*self._lease_current(lease), *also]
             for key, rr in zip(keys, read.responses, strict=True):
                 kvs = rr.response_range.kvs
                 if kvs and _stored_token(kvs[0].value, key) > lease.token:
@@ -696,8 +697,10 @@ class EtcdLeaseStore:
             if resp.succeeded:
                 return resp
             if self.holder(lease.name) != (lease.holder, lease.token):
-                raise NotLeader(f"{self.url}: write to {keys[0]!r} refused: lease "
+                raise NotLeader(f"{self.url}: write to {(keys or ['?'])[0]!r} refused: lease "
                                 f"{lease.name!r} (token {lease.token}) is not current")
+            if also:
+                return resp  # the caller tells which of its own compares failed
         raise StoreError(f"{self.url}: {what} of {keys[0]!r} kept racing with other writers")
 
     def get(self, key: str) -> dict[str, Any] | None:
@@ -715,8 +718,10 @@ class EtcdLeaseStore:
                 out.append(_loads(kvs[0].value, key) if kvs else None)
         return out
 
-    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
-        """Every record whose key starts with ``prefix`` (one range request)."""
+    def scan(self, prefix: str, *, between: Callable[[], None] | None = None
+             ) -> dict[str, dict[str, Any]]:
+        """Every record whose key starts with ``prefix`` (one range request over that prefix
+        only, so ``between`` is never needed)."""
         base = self._k("rec", "")
         out: dict[str, dict[str, Any]] = {}
         for kv in self._range("scan", self._k("rec", prefix)):
@@ -763,6 +768,40 @@ class EtcdLeaseStore:
                 raise NotLeader(f"{self.url}: pop from {queue!r} refused: lease "
                                 f"{lease.name!r} (token {lease.token}) is not current")
         raise StoreError(f"{self.url}: pop_all of {queue!r} kept racing with other consumers")
+
+    def peek(self, queue: str, *, limit: int = 100) -> Taken:
+        """Read up to ``limit`` items from the head of the queue, removing none."""
+        limit = max(1, min(limit, MAX_TXN_OPS - 2))
+        kvs = self._range("peek", self._k("q", f"{queue}/"), sort_create=True, limit=limit)
+        items = []
+        for kv in kvs:
+            try:
+                items.append(_loads(kv.value, f"queue {queue!r}"))
+            except StoreDataError as exc:
+                log.warning("%s: foreign data in a queue (removed with the rest): %s",
+                            self.url, exc)
+        return Taken(queue, tuple(items), tuple((kv.key, kv.mod_revision) for kv in kvs))
+
+    def put_and_ack(self, items: Sequence[tuple[str, Mapping[str, Any]]], taken: Taken, *,
+                    lease: Lease) -> None:
+        """Write records and delete ``taken``'s queue keys in one fenced transaction, which
+        also compares each queue key's mod revision (records beyond one transaction are
+        written first, fenced, on their own)."""
+        room = max(0, (MAX_TXN_OPS - 2 - len(taken.handle)) // 2)
+        head, last = (items[:len(items) - room], items[len(items) - room:]) if room \
+            else (items, [])
+        if head:
+            self.put_many(head, lease=lease)
+        ops = []
+        for key, value in last:
+            ops.append(self._put(self._k("rec", key), _dumps(value, key)))
+            ops.append(self._put(self._k("rtok", key), _pad(lease.token)))
+        ops += [self._del(qkey) for qkey, _ in taken.handle]
+        same = [self._cmp(qkey, "MOD", "EQUAL", rev) for qkey, rev in taken.handle]
+        resp = self._fenced_txn("put_and_ack", [k for k, _ in last], ops, lease, also=same)
+        if not resp.succeeded:
+            raise StoreError(f"{self.url}: {taken.queue!r}: the head of the queue (or a record "
+                             f"written with it) changed since it was read; nothing written")
 
     # -- misc -------------------------------------------------------------------------------
     def server_time(self) -> float | None:

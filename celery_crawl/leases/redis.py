@@ -64,7 +64,7 @@ from ..errors import (
 )
 from ._urls import masked_url as mask_url
 from ._urls import split_credentials
-from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease
+from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease, Taken
 
 __all__ = ["RedisLeaseStore", "parse_redis_url", "token_counter_key"]
 
@@ -147,7 +147,7 @@ def _load_scripts() -> dict[str, _Script]:
     prelude = (pkg / "_token.lua").read_text(encoding="utf-8")
     scripts = {}
     for name in ("acquire", "renew", "release", "claim", "read_claims", "orphans", "unclaim",
-                 "put", "delete", "pop"):
+                 "put", "delete", "pop", "ack"):
         body = (pkg / f"{name}.lua").read_text(encoding="utf-8")
         scripts[name] = _Script(name, prelude + "\n" + body)
     return scripts
@@ -526,13 +526,17 @@ class RedisLeaseStore:
                 out.append(None)
         return out
 
-    def scan(self, prefix: str) -> dict[str, dict[str, Any]]:
-        """Every record whose key starts with ``prefix`` (SCAN over the record key space)."""
+    def scan(self, prefix: str, *, between: Callable[[], None] | None = None
+             ) -> dict[str, dict[str, Any]]:
+        """Every record whose key starts with ``prefix`` (SCAN over the whole key space, so
+        O(keys in the database): ``between`` runs between its pages)."""
         pattern = self._k("rec", _glob_escape(prefix)) + "*"
         names: list[str] = []
         with self._translate("scan"):
             cursor = 0
             while True:
+                if cursor and between is not None:
+                    between()
                 self.round_trips += 1
                 cursor, batch = self._redis.scan(cursor=cursor, match=pattern, count=1000)
                 names.extend(str(n) for n in batch)
@@ -565,6 +569,32 @@ class RedisLeaseStore:
         if int(reply[0]) == -1:
             self._check_fence(-1, lease, queue)
         return _valid_items(reply[1:], queue, self.url)
+
+    def peek(self, queue: str, *, limit: int = 100) -> Taken:
+        """Read up to ``limit`` items from the head of the queue (``LRANGE``), removing none."""
+        raw = self._call("peek", self._redis.lrange, self._k("q", queue), 0, int(limit) - 1)
+        return Taken(queue, tuple(_valid_items(raw, queue, self.url)), tuple(raw))
+
+    def put_and_ack(self, items: Sequence[tuple[str, Mapping[str, Any]]], taken: Taken, *,
+                    lease: Lease) -> None:
+        """Write records and ``LTRIM`` ``taken`` off its queue in one fenced script (records
+        beyond one script's batch are written first, fenced, on their own)."""
+        lease_key, fence = self._fence_args(lease)
+        head, last = items[:-_PUT_BATCH], items[-_PUT_BATCH:]
+        if head:
+            self.put_many(head, lease=lease)
+        keys = [lease_key, self._k("q", taken.queue), *(self._k("rec", k) for k, _ in last)]
+        args = [*fence, len(taken.handle), *taken.handle, *(_dumps(v, k) for k, v in last)]
+        reply, acked = self._eval("ack", keys, args, wait=True)
+        what = ", ".join(k for k, _ in last) or taken.queue
+        if int(reply) == -4:
+            raise StoreError(f"{self.url}: {taken.queue!r}: the head of the queue changed "
+                             f"since it was read; nothing written")
+        self._check_fence(int(reply), lease, what)
+        if self._under_acked(acked):
+            self.unacked_writes += 1
+            log.warning("%s: fenced write acknowledged by %s of %s replicas", self.url,
+                        acked, self.wait_replicas)
 
     # -- misc -------------------------------------------------------------------------------
     def server_time(self) -> float | None:

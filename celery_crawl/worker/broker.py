@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .claims import json_tag
@@ -45,8 +45,10 @@ class BrokerOps(Protocol):
         """Mark these delivery tags as just delivered (so the visibility timeout restarts)."""
         ...
 
-    def queued(self, queues: Sequence[str], task_ids: Sequence[str]) -> set[str] | None:
-        """Which of ``task_ids`` wait in ``queues``; None when the broker cannot tell."""
+    def queued(self, queues: Sequence[str], task_ids: Sequence[str], *,
+               between: Callable[[], None] | None = None) -> set[str] | None:
+        """Which of ``task_ids`` wait in ``queues``; None when the broker cannot tell.
+        ``between`` runs between the reads of a long queue (the beat leader renews there)."""
         ...
 
     def close(self) -> None:
@@ -65,7 +67,8 @@ class AmqpBroker:
     def refresh(self, tags: Sequence[Any]) -> None:
         return None
 
-    def queued(self, queues: Sequence[str], task_ids: Sequence[str]) -> set[str] | None:
+    def queued(self, queues: Sequence[str], task_ids: Sequence[str], *,
+               between: Callable[[], None] | None = None) -> set[str] | None:
         return None  # a queue cannot be read without consuming it
 
     def close(self) -> None:
@@ -147,8 +150,8 @@ class RedisBroker:
             self._reset()
             raise
 
-    def queued(self, queues: Sequence[str], task_ids: Sequence[str],
-               chunk: int = 500) -> set[str] | None:
+    def queued(self, queues: Sequence[str], task_ids: Sequence[str], chunk: int = 500, *,
+               between: Callable[[], None] | None = None) -> set[str] | None:
         """Which of ``task_ids`` still wait in ``queues`` (every priority list of each).
 
         Read from the oldest end (kombu pushes left and pops right), chunk by chunk, stopping
@@ -171,6 +174,8 @@ class RedisBroker:
                             key = prefix + chan._q_for_pri(queue, pri)
                             start = 0
                             while wanted - found:
+                                if start and between is not None:
+                                    between()  # O(backlog) reads: may outlast a lease
                                 raw = client.lrange(key, -(start + chunk), -(start + 1))
                                 for item in raw:
                                     task_id = _task_id_of(item)

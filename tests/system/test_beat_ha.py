@@ -3,7 +3,9 @@ replicas, a real worker recording every run, and real faults.
 
 Redis store (one shared cluster, scenarios in order): kill -9 of the leader, SIGSTOP beyond the
 TTL then SIGCONT, SIGTERM handoff, a restart of the store (AOF on), a replica whose wall clock
-is 30 s off (libfaketime preloaded into that replica only). etcd store: kill -9 of the leader.
+is 30 s off (libfaketime preloaded into that replica only), a leader whose wall clock is set
+2 h ahead for a second (libfaketime with an offset file read at every call, monotonic clocks
+untouched). etcd store: kill -9 of the leader.
 At the end of each cluster every (entry, slot) between its first run and its stored position
 ran exactly once (one task id; the same id delivered twice counts as deduplicated, which the
 worker plugin's claim makes harmless) or is recorded as skipped with a reason.
@@ -15,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -66,11 +69,14 @@ class Cluster:
         self.store = open_store(lease_url, namespace=ns, timeout_s=2.0)
 
     def spawn_beat(self, *, env: dict[str, str] | None = None, preload: str | None = None,
-                   tag: str = "beat") -> Proc:
+                   tag: str = "beat", launcher: list[str] | None = None) -> Proc:
         self.n += 1
-        proc = Proc(celery_args("tests.system.beatapp", "beat", "-S",
-                                "celery_crawl.beat:LeasedScheduler", "-l", "INFO",
-                                "-s", str(self.logs / f"unused-{self.n}")),
+        args = celery_args("tests.system.beatapp", "beat", "-S",
+                           "celery_crawl.beat:LeasedScheduler", "-l", "INFO",
+                           "-s", str(self.logs / f"unused-{self.n}"))
+        if launcher is not None:  # another way to start the same celery command
+            args = [*launcher, *args[1:]]
+        proc = Proc(args,
                     env={**self.env, **(env or {})}, preload=preload,
                     log_path=self.logs / f"{tag}-{self.n}.log")
         self.beats.append(proc)
@@ -317,6 +323,59 @@ def test_operator_cli(redis_cluster: tuple[Cluster, RedisServer]) -> None:
                                     if r["manual"] and r["entry"] == "e1"])
                      and want <= set(m) and m, 15, what="the backfilled runs")
     assert sorted(got) == sorted(want), got
+
+
+def test_a_leader_whose_wall_clock_is_set_ahead_for_a_second_publishes_nothing_early(
+    redis_cluster: tuple[Cluster, RedisServer], tmp_path: Path
+) -> None:
+    """The leader's wall clock is set 2 h ahead for about a second (libfaketime, offset read
+    from a file at every call, monotonic clocks untouched), well inside one skew-check
+    interval: no run is published ahead of the reference clock, the slots in between are not
+    written off as skipped, and the entries keep running once the clock is back."""
+    cluster, _ = redis_cluster
+    lib = faketime_lib()
+    if lib is None:
+        missing_tool("libfaketime not installed (apt-get install faketime)")
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    stepped = cluster.spawn_beat(
+        env={"FAKETIME_TIMESTAMP_FILE": str(offset), "FAKETIME_NO_CACHE": "1",
+             "FAKETIME_DONT_FAKE_MONOTONIC": "1"},
+        preload=lib, tag="stepped",
+        launcher=[sys.executable, "-m", "tests.system.faketime_celery"])
+    wait_until(lambda: stepped.alive() and "standing by" in stepped.log(), 30,
+               what="the replica under libfaketime starts")
+    cluster.faults += 2  # the stepped replica takes over, then hands over in the step
+    for p in cluster.alive_beats():  # make it the leader: every healthy replica steps down
+        if p is not stepped and "skewed" not in p.log_path.name:
+            p.stop(grace_s=5)
+    wait_until(lambda: cluster.leader_proc()[0] is stepped, KILL_BOUND_S,
+               what="the replica under libfaketime leads")
+    standby = cluster.spawn_beat()  # to take over
+    wait_until(lambda: any(r.get("pid") == standby.pid for r in
+                           cluster.store.scan(keys.beat_presence("")).values()), 30,
+               what="the standby's presence")
+    cluster.wait_runs(2)
+    before = {e: SkipLog.from_record(cluster.store.get(keys.beat_skips(e))).totals
+              for e in ENTRIES}
+    offset.write_text("+2h\n")
+    step_ends = time.monotonic() + 1.0
+    while time.monotonic() < step_ends:  # the fault lasts one second
+        assert stepped.alive(), stepped.log()[-3000:]
+        time.sleep(0.05)
+    offset.write_text("+0\n")
+    cluster.wait_runs(4, timeout_s=30)
+    real_now = datetime.now(UTC)
+    early = [r for r in cluster.runs() if parse_slot(r["slot"]) > real_now]
+    assert early == [], f"published ahead of the reference clock: {early[:3]}"
+    for e in ENTRIES:
+        after = SkipLog.from_record(cluster.store.get(keys.beat_skips(e))).totals
+        grown = {k: v - before[e].get(k, 0) for k, v in after.items()
+                 if v != before[e].get(k, 0)}
+        # a leader change may write off a few seconds' slots, never two hours of them
+        assert sum(grown.values()) <= 10, (e, grown)
+    assert stepped.alive() and "wall clock was set by +7200" in stepped.log(), \
+        stepped.log()[-3000:]
 
 
 def test_every_slot_ran_once_or_was_recorded_skipped(
