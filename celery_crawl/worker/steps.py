@@ -32,7 +32,7 @@ from ..errors import LeaseLost, PoisonMessage, StoreError
 from ..leases.base import Lease, LeaseStore
 from . import finishing
 from .broker import BrokerOps, broker_ops
-from .claims import ClaimBook, Claimer, Decision, Held, Outcome, lenient_int
+from .claims import ClaimBook, Claimer, Decision, Held, Outcome, lenient_int, message_digest
 from .context import CLAIM_HEADER
 from .guards import check_beat, check_memory, check_pool
 from .keeper import Keeper
@@ -245,10 +245,12 @@ class LeaseStep(bootsteps.StartStopStep):
             # Never trust a producer's value: the header is ours.
             headers.pop(CLAIM_HEADER, None)
             info = message.delivery_info or {}
+            retries = lenient_int(headers.get("retries"))
             held = Held(
                 task_id=str(headers["id"]), delivery_tag=message.delivery_tag,
-                queue=info.get("routing_key"), deliveries=0,
-                retries=lenient_int(headers.get("retries")), message=message,
+                queue=info.get("routing_key"), deliveries=0, retries=retries,
+                generation=(lenient_int(headers.get("replaced_task_nesting")), retries),
+                digest=message_digest(headers, message.body), message=message,
                 extra={"task": task_name, "run": (original, body, ack, reject, callbacks,
                                                   kwargs),
                        "exchange": info.get("exchange"), "routing_key": info.get("routing_key")},
@@ -266,7 +268,8 @@ class LeaseStep(bootsteps.StartStopStep):
             decision = self.claimer.decide(
                 held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
                 exchange=held.extra.get("exchange"), routing_key=held.extra.get("routing_key"),
-                retries=held.retries, known_deliveries=held.deliveries, parked=held.parked,
+                retries=held.retries, generation=held.generation, digest=held.digest,
+                known_deliveries=held.deliveries, parked=held.parked,
                 holder=held.holder, alive_at=held.alive_at)
         except StoreError as exc:
             # Fail closed: neither run nor drop; look again on the next re-check.
@@ -281,8 +284,9 @@ class LeaseStep(bootsteps.StartStopStep):
             self.book.pop(held)
             self.duplicates += 1
             metrics.WORKER_DUPLICATES_PARKED.labels("dropped").inc()
-            logger.warning("celery-crawl: %s[%s] already finished (done tombstone); dropping "
-                           "this delivery as a duplicate", held.extra["task"], held.task_id)
+            logger.warning("celery-crawl: %s[%s] already finished (done tombstone) and handed "
+                           "its id on to no newer message; dropping this delivery as a "
+                           "duplicate", held.extra["task"], held.task_id)
             self._call_ack(held)
         elif outcome is Outcome.PARK:
             held.parked = True
@@ -366,6 +370,7 @@ class LeaseStep(bootsteps.StartStopStep):
         still ours, so it is settled normally.
         """
         self.book.pop(held)
+        held.handoff = finishing.handed_off(held.task_id)
         finishing.clear(held.task_id)
         held.fenced = True
         assert self.store is not None and self.claimer is not None
@@ -388,6 +393,7 @@ class LeaseStep(bootsteps.StartStopStep):
             self._release(held, "claim taken over", requeue=False)
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
+        held.handoff = finishing.handed_off(held.task_id)
         finishing.clear(held.task_id)
         if self.book.pop(held) is None:
             return
