@@ -67,34 +67,34 @@ def _app(name: str, *, broker_db: int, results: str) -> Celery:
 
 
 def _tasks(app: Celery) -> SimpleNamespace:
-    @app.task(name="canvas.add")
+    @app.task(name="canvas.add", shared=False)
     def add(x: int, y: int) -> int:
         return x + y
 
-    @app.task(name="canvas.mul")
+    @app.task(name="canvas.mul", shared=False)
     def mul(x: int, y: int) -> int:
         return x * y
 
-    @app.task(name="canvas.tsum")
+    @app.task(name="canvas.tsum", shared=False)
     def tsum(values: list[int]) -> int:
         return sum(values)
 
-    @app.task(name="canvas.boom")
+    @app.task(name="canvas.boom", shared=False)
     def boom(*_: Any) -> None:
         raise ValueError("boom")
 
-    @app.task(name="canvas.note")
+    @app.task(name="canvas.note", shared=False)
     def note(value: Any, key: str) -> Any:
         """A link callback: records the value it was called with."""
         side().rpush(f"links:{key}", json.dumps(value))
         return value
 
-    @app.task(name="canvas.on_error")
+    @app.task(name="canvas.on_error", shared=False)
     def on_error(request: Any, exc: Any, traceback: Any, key: str) -> None:
         """A link_error errback: records which task failed, and how."""
         side().rpush(f"errbacks:{key}", json.dumps([request.id, type(exc).__name__]))
 
-    @app.task(bind=True, name="canvas.replace_with")
+    @app.task(bind=True, name="canvas.replace_with", shared=False)
     def replace_with(self: Any, x: int, kind: str) -> Any:
         """Replaces itself by a canvas built from ``x``."""
         sigs = {
@@ -107,21 +107,21 @@ def _tasks(app: Celery) -> SimpleNamespace:
         }
         raise self.replace(sigs[kind]())
 
-    @app.task(bind=True, name="canvas.retry_then")
+    @app.task(bind=True, name="canvas.retry_then", shared=False)
     def retry_then(self: Any, x: int, key: str, times: int) -> int:
         side().rpush(f"runs:{key}", self.request.retries)
         if self.request.retries < times:
             raise self.retry(countdown=0.2, max_retries=times)
         return x
 
-    @app.task(bind=True, name="canvas.autoretry", autoretry_for=(KeyError,),
+    @app.task(bind=True, name="canvas.autoretry", autoretry_for=(KeyError,), shared=False,
               default_retry_delay=0.1, max_retries=3)
     def autoretry(self: Any, x: int, key: str, failures: int) -> int:
         if side().incr(f"tries:{key}") <= failures:
             raise KeyError(key)
         return x
 
-    @app.task(name="canvas.gated_add")
+    @app.task(name="canvas.gated_add", shared=False)
     def gated_add(x: int, y: int, gate: str) -> int:
         """``x + y`` once the test opens ``gate:<gate>`` (at most 60 s)."""
         r = side()
@@ -130,7 +130,7 @@ def _tasks(app: Celery) -> SimpleNamespace:
             time.sleep(0.05)
         return x + y
 
-    @app.task(bind=True, name="canvas.fenced_part")
+    @app.task(bind=True, name="canvas.fenced_part", shared=False)
     def fenced_part(self: Any, key: str) -> int:
         """Records its start, waits for ``gate:<key>``, then commits through a write fenced by
         its claim token; a stale run (an older token than the committed one) fails."""

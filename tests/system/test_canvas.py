@@ -11,6 +11,7 @@ by the chain or the chord.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from tests.servers import RedisServer, wait_until
 
 pytestmark = pytest.mark.system
 
-TIMEOUT_S = 30  # generous: the machine is small and shared
+TIMEOUT_S = float(os.environ.get("CANVAS_TEST_TIMEOUT") or 30)  # generous: a shared machine
 COMBOS = [(mode, pool) for mode in ("stock", "crawl") for pool in ("prefork", "threads")]
 IDS = [f"{mode}-{pool}" for mode, pool in COMBOS]
 
