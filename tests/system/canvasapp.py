@@ -121,6 +121,14 @@ def _tasks(app: Celery) -> SimpleNamespace:
             raise KeyError(key)
         return x
 
+    @app.task(bind=True, name="canvas.record", shared=False)
+    def record(self: Any, key: str, again: bool = False) -> int:
+        """Records each run; with ``again``, the first run re-publishes itself under its own id."""
+        n = int(side().rpush(f"runs:{key}", json.dumps(self.request.id)))
+        if again and n == 1:
+            self.apply_async((key,), {"again": True}, task_id=self.request.id)
+        return n
+
     @app.task(name="canvas.gated_add", shared=False)
     def gated_add(x: int, y: int, gate: str) -> int:
         """``x + y`` once the test opens ``gate:<gate>`` (at most 60 s)."""
@@ -148,7 +156,8 @@ def _tasks(app: Celery) -> SimpleNamespace:
 
     return SimpleNamespace(add=add, mul=mul, tsum=tsum, boom=boom, note=note,
                            on_error=on_error, replace_with=replace_with, retry_then=retry_then,
-                           autoretry=autoretry, gated_add=gated_add, fenced_part=fenced_part)
+                           autoretry=autoretry, gated_add=gated_add, fenced_part=fenced_part,
+                           record=record)
 
 
 def _make(mode: str, pool: str) -> Celery:

@@ -155,6 +155,37 @@ def test_replace_keeps_link_and_link_error(stack: Stack, mode: str, pool: str) -
 
 
 @pytest.mark.parametrize(("mode", "pool"), COMBOS, ids=IDS)
+def test_a_task_republishing_its_own_id_runs_again(stack: Stack, mode: str, pool: str) -> None:
+    """``self.apply_async(task_id=self.request.id)`` from inside the run: the second run happens
+    on both apps (the run handed its id on)."""
+    t = _tasks(mode, pool)
+    key = uuid.uuid4().hex[:10]
+    result = t.record.apply_async((key,), {"again": True})
+    wait_until(lambda: len(stack.list(f"runs:{key}")) == 2, TIMEOUT_S, what="the second run")
+    assert stack.list(f"runs:{key}") == [result.id, result.id]
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_finished_id_published_again_by_a_producer_is_dropped(stack: Stack,
+                                                                 pool: str) -> None:
+    """A deliberate difference from stock Celery (which runs each of these again): after a run
+    that handed nothing on, messages under its id from outside it — even with forged
+    ``retries`` / ``replaced_task_nesting`` headers — are duplicates (docs/worker.md)."""
+    t = _tasks("crawl", pool)
+    key = uuid.uuid4().hex[:10]
+    first = t.record.apply_async((key,))
+    assert first.get(timeout=TIMEOUT_S) == 1
+    for options in ({}, {"retries": 5}, {"replaced_task_nesting": 3}):
+        t.record.apply_async((key,), task_id=first.id, **options)
+    marker = t.record.apply_async((f"{key}-after",))  # same queue, published after them
+    assert marker.get(timeout=TIMEOUT_S) == 1
+    host = stack.workers["crawl", pool]
+    wait_until(lambda: host.log().count(f"canvas.record[{first.id}] already finished") == 3,
+               TIMEOUT_S, what="three duplicates dropped")
+    assert stack.list(f"runs:{key}") == [first.id]
+
+
+@pytest.mark.parametrize(("mode", "pool"), COMBOS, ids=IDS)
 def test_revoke(stack: Stack, mode: str, pool: str) -> None:
     t = _tasks(mode, pool)
     result = t.add.apply_async((1, 1), countdown=2)
