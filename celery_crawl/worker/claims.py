@@ -365,16 +365,16 @@ class Claimer:
         self.store.drop_claim(held.as_claim())
 
 
-#: Headers a broker may add or change on redelivery (RabbitMQ quorum queues: x-delivery-count),
-#: and the claim token the worker itself writes.
+#: Headers a broker may add or change on redelivery (RabbitMQ quorum queues: x-delivery-count).
 _VOLATILE = ("x-",)
 
 
-def message_digest(headers: Mapping[str, Any], body: Any, *, skip: tuple[str, ...] = ()) -> str:
+def message_digest(headers: Mapping[str, Any], body: Any) -> str:
     """Digest of a task message as published: the same for every redelivery of it, different
-    for any other message of the same task id (a retry, a replacement, a re-publish)."""
+    for any other message of the same task id (a retry, a replacement, a re-publish). The
+    caller has already removed the claim-token header (the worker writes it)."""
     kept = {k: v for k, v in headers.items()
-            if isinstance(k, str) and k not in skip and not k.startswith(_VOLATILE)}
+            if isinstance(k, str) and not k.startswith(_VOLATILE)}
     h = hashlib.blake2b(digest_size=12)
     h.update(json.dumps(kept, sort_keys=True, default=str).encode())
     h.update(b"\0")
