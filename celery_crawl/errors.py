@@ -34,6 +34,7 @@ __all__ = [
     "LeaseLost",
     "NotLeader",
     "PoisonMessage",
+    "RecordChanged",
     "ReplayError",
     "RollbackFailed",
     "ScheduleError",
@@ -108,6 +109,11 @@ class LeaseLost(LeaseError):
 
 class NotLeader(LeaseError):
     """A leader-only write was attempted without holding the current leader token."""
+
+
+class RecordChanged(LeaseError):
+    """A guarded claim was refused: the record it was conditioned on changed since it was read
+    (read it again and decide again)."""
 
 
 class FencedError(CrawlError):

@@ -15,6 +15,13 @@ records in a single round trip:
 * ``XADD`` of an audit record (task, state, token, worker, digest, outcome, rollback) to the
   stream ``{namespace}:audit``, capped with ``MAXLEN ~ crawl_audit_maxlen``.
 
+**Side paths of a refused run.** Celery's ``mark_as_done``/``mark_as_failure`` do more than
+store: they count the task into its chord (``on_chord_part_return``), mark the rest of its chain
+FAILURE (``_fail_chain``) and call its errbacks. When the ready write of a tokened run is refused
+(a newer run of the task already wrote its result: this run is stale, fenced), none of these run
+for it: the newer run's outcome is the one its chain and chord see. A run without a token and a
+write that is not stored (``ignore_result``) keep Celery's behaviour.
+
 The write is idempotent on (task, token, state, digest): a write retried after a lost reply
 gets the first answer and adds no second record. The claim token is ``request.crawl_claim_token``
 (set by the worker plugin); the worker is ``request.hostname``.
@@ -68,6 +75,7 @@ from ..worker import finishing
 __all__ = [
     "MAX_TOKEN",
     "OUTCOMES",
+    "REFUSED_ATTR",
     "AuditedRedisBackend",
     "audit_stream_key",
     "parse_token",
@@ -84,6 +92,8 @@ _SCHEMES = {"crawlredis": "redis", "crawlrediss": "rediss"}
 _FENCE_PREFIX = "crawl-fence-"
 _IDEM_PREFIX = "crawl-idem:"
 _FORGOTTEN = "FORGOTTEN"
+#: Request attribute set when this backend refused the request's ready write.
+REFUSED_ATTR = "crawl_refused"
 
 
 def result_digest(encoded_meta: str | bytes) -> str:
@@ -480,7 +490,51 @@ class AuditedRedisBackend(RedisBackend):
             rollback=rollback or "", expires_s=int(expires or 0))
         if outcome != "written":
             logger.warning("result of task %s (%s, token %s) %s", task_id, state, token, outcome)
+            if request is not None and token is not None and state in states.READY_STATES:
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(request, REFUSED_ATTR, outcome)
         return result
+
+    @staticmethod
+    def refused(request: Any) -> str | None:
+        """The outcome that refused ``request``'s ready write (a stale run), or None."""
+        outcome = getattr(request, REFUSED_ATTR, None) if request is not None else None
+        return outcome if isinstance(outcome, str) else None
+
+    def _stale(self, task_id: str, request: Any, what: str) -> bool:
+        outcome = self.refused(request)
+        if outcome is None:
+            return False
+        logger.warning("task %s: its result was %s (a newer run wrote first); not running "
+                       "%s for this stale run", task_id, outcome, what)
+        return True
+
+    def mark_as_done(self, task_id: str, result: Any, request: Any = None,
+                     store_result: bool = True, state: str = states.SUCCESS) -> None:
+        """Celery's, except that a refused (stale) run is not counted into its chord."""
+        if store_result and not (request is not None and request.ignore_result):
+            self.store_result(task_id, result, state, request=request)
+            if self._stale(task_id, request, "its chord part"):
+                return
+        if request and request.chord:
+            self.on_chord_part_return(request, state, result)
+
+    def mark_as_failure(self, task_id: str, exc: Any, traceback: Any = None,
+                        request: Any = None, store_result: bool = True,
+                        call_errbacks: bool = True, state: str = states.FAILURE) -> None:
+        """Celery's, except that a refused (stale) run has no side effects: no chord part,
+        no FAILURE of the rest of its chain, no errbacks."""
+        if store_result:
+            self.store_result(task_id, exc, state, traceback=traceback, request=request)
+            if self._stale(task_id, request, "its chord part, chain failure or errbacks"):
+                return
+        if request:
+            if request.chord:
+                self.on_chord_part_return(request, state, exc)
+            self._fail_chain(getattr(request, "chain", None), exc, traceback,
+                             store_result=store_result, state=state)
+            if call_errbacks and request.errbacks:
+                self._call_task_errbacks(request, exc, traceback)
 
     def write_state(self, task_id: str, value: str, state: str, *, token: int | None,
                     digest: str, worker: str = "", rollback: str = "",

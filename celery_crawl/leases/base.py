@@ -173,6 +173,17 @@ class LeaseStore(Protocol):
         """``claim`` for many keys in as few round trips as the store allows."""
         ...
 
+    def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
+                             record: str, version: str) -> int | None:
+        """``claim``, in the same atomic operation as a check that record ``record`` still has
+        the ``version`` read by ``get_many_versioned`` (``""``: still absent).
+
+        The caller decides from the record (a worker: the task's done tombstone) and claims
+        only if that decision still holds when the claim is made, so no writer of the record
+        can slip in between. Raises ``RecordChanged`` when the record changed (nothing was
+        written), ``LeaseLost`` if ``lease`` is not held."""
+        ...
+
     def claimant(self, key: str) -> Claim | None:
         """The current claim on ``key`` (alive or orphaned), or None."""
         ...
@@ -225,6 +236,11 @@ class LeaseStore(Protocol):
 
     def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
         """``get`` for several keys in one round trip."""
+        ...
+
+    def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
+        """``get_many``, each record with an opaque version for ``claim_unless_changed``
+        (``""`` for an absent record)."""
         ...
 
     def scan(self, prefix: str, *, between: Callable[[], None] | None = None

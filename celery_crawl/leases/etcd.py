@@ -60,6 +60,7 @@ from ..errors import (
     FencedError,
     LeaseLost,
     NotLeader,
+    RecordChanged,
     StoreDataError,
     StoreError,
     StoreTimeout,
@@ -540,6 +541,54 @@ class EtcdLeaseStore:
                     out.append(None)
                     continue
                 out.append(token if next(results).response_txn.succeeded else None)
+        return out
+
+    def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
+                             record: str, version: str) -> int | None:
+        """``claim`` iff record ``record`` still has mod revision ``version``, in one
+        transaction: the lease and the record are compared at the top level, the claim's
+        ``live`` marker in a nested transaction; on failure the lease key and the record are read
+        back to tell a lost lease from a changed record."""
+        rec = self._k("rec", record)
+        try:
+            expected = int(version or 0)
+        except ValueError as exc:
+            raise RecordChanged(f"{self.url}: {record!r}: not a version of this store: "
+                                f"{version!r}") from exc
+        live = self._k("live", key)
+        doc = _dumps({"lease": lease.name, "holder": lease.holder, "value": dict(value)}, key)
+        nested = self._rpc.RequestOp(request_txn=self._rpc.TxnRequest(
+            compare=[self._cmp(live, "CREATE", "EQUAL", 0)],
+            success=[self._put(self._k("claim", key), doc),
+                     self._put(live, b"", lease.handle or 0),
+                     self._put(self._k("claims-of", f"{lease.name}/{key}"), b"")],
+        ))
+        resp = self._txn(
+            "claim", [*self._lease_current(lease), self._cmp(rec, "MOD", "EQUAL", expected)],
+            [self._put(self._k("claim-leases", lease.name), b""), nested],
+            [self._get(self._k("lease", lease.name)), self._get(rec)])
+        if not resp.succeeded:
+            lkv = resp.responses[0].response_range.kvs
+            if not lkv or lkv[0].lease != (lease.handle or 0) or (
+                    lkv[0].create_revision != lease.token):
+                raise LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: it is "
+                                f"gone or held by another holder")
+            raise RecordChanged(f"{self.url}: claim of {key!r} refused: record {record!r} "
+                                f"changed since it was read")
+        if not resp.responses[1].response_txn.succeeded:
+            return None
+        return int(resp.header.revision)
+
+    def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
+        """Records for ``keys``, each with its mod revision as its version."""
+        out: list[tuple[dict[str, Any] | None, str]] = []
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            batch = keys[start:start + MAX_TXN_OPS]
+            resp = self._txn("get", [], [self._get(self._k("rec", k)) for k in batch])
+            for key, rr in zip(batch, resp.responses, strict=True):
+                kvs = rr.response_range.kvs
+                out.append((_loads(kvs[0].value, key), str(kvs[0].mod_revision)) if kvs
+                           else (None, ""))
         return out
 
     def _read_claims(self, keys: Sequence[str], *, strict: bool = True) -> list[Claim | None]:

@@ -56,6 +56,7 @@ from ..errors import (
     FencedError,
     LeaseLost,
     NotLeader,
+    RecordChanged,
     StoreDataError,
     StoreError,
     StoreTimeout,
@@ -150,6 +151,9 @@ def _load_scripts() -> dict[str, _Script]:
                  "put", "delete", "pop", "ack"):
         body = (pkg / f"{name}.lua").read_text(encoding="utf-8")
         scripts[name] = _Script(name, prelude + "\n" + body)
+    guard = (pkg / "claim_guard.lua").read_text(encoding="utf-8")
+    scripts["claim_unless"] = _Script("claim_unless", "\n".join(
+        (prelude, guard, (pkg / "claim.lua").read_text(encoding="utf-8"))))
     return scripts
 
 
@@ -404,6 +408,27 @@ class RedisLeaseStore:
             out.extend(int(t) or None for t in reply[1:])
         return out
 
+    def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
+                             record: str, version: str) -> int | None:
+        """``claim`` iff record ``record`` still holds ``version`` (its JSON as read), in one
+        script (``claim_guard.lua`` + ``claim.lua``)."""
+        keys = [self._k("lease", lease.name), self._token_key, self._k("claims-of", lease.name),
+                self._index_key, self._k("claim", key), self._k("rec", record)]
+        args = [lease.name, lease.holder, lease.token, self._prefix, _dumps(value, key), version]
+        reply, acked = self._eval("claim_unless", keys, args, wait=True)
+        code = int(reply[0])
+        if code == -1:
+            raise LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: "
+                            f"it is gone or held by another holder")
+        if code == -2:
+            raise RecordChanged(f"{self.url}: claim of {key!r} refused: record {record!r} "
+                                f"changed since it was read")
+        if self._under_acked(acked):
+            self.unacked_writes += 1
+            log.warning("%s: claim acknowledged by %s of %s replicas", self.url, acked,
+                        self.wait_replicas)
+        return int(reply[1]) or None
+
     def _claims_from(self, flat: Sequence[Any], *, strict: bool) -> list[Claim]:
         """Claims from a script's flat reply. Foreign data raises ``StoreDataError`` naming the
         key when ``strict``; otherwise it is logged and skipped, so one forged entry cannot
@@ -503,8 +528,21 @@ class RedisLeaseStore:
         """Records for ``keys`` in one round trip."""
         return self._get_many(keys, strict=True)
 
-    def _get_many(self, keys: Sequence[str], *, strict: bool) -> list[dict[str, Any] | None]:
-        """Records for ``keys``; foreign data raises (``strict``) or reads as None, logged."""
+    def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
+        """Records for ``keys`` in one round trip, each with its stored JSON as its version."""
+        raws = self._raw_many(keys)
+        out: list[tuple[dict[str, Any] | None, str]] = []
+        for k, raw in zip(keys, raws, strict=True):
+            if isinstance(raw, Exception):
+                raise StoreDataError(f"{self.url}: record {k!r} is not a celery-crawl record: "
+                                     f"{raw}")
+            try:
+                out.append((None, "") if raw is None else (_loads(raw, k), str(raw)))
+            except StoreDataError as exc:
+                raise StoreDataError(f"{self.url}: {exc}") from exc
+        return out
+
+    def _raw_many(self, keys: Sequence[str]) -> list[Any]:
         if not keys:
             return []
         with self._translate("get"):
@@ -512,7 +550,11 @@ class RedisLeaseStore:
             for k in keys:
                 pipe.hget(self._k("rec", k), "v")
             self.round_trips += 1
-            replies = pipe.execute(raise_on_error=False)
+            return list(pipe.execute(raise_on_error=False))
+
+    def _get_many(self, keys: Sequence[str], *, strict: bool) -> list[dict[str, Any] | None]:
+        """Records for ``keys``; foreign data raises (``strict``) or reads as None, logged."""
+        replies = self._raw_many(keys)
         out: list[dict[str, Any] | None] = []
         for k, raw in zip(keys, replies, strict=True):
             try:

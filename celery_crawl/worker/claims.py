@@ -3,13 +3,22 @@
 This module does not import Celery: it talks to a ``LeaseStore`` and returns decisions that the
 consumer step (``steps.py``) carries out on Celery's objects.
 
-A delivery of task ``id`` is decided in this order (one ``get_many`` and one ``claim``):
+A delivery of task ``id`` is decided in this order (one ``get_many_versioned`` and one
+``claim_unless_changed``):
 
-1. a ``done/<id>`` tombstone written by a run with at least as many retries → **duplicate**
-   (ack and drop; a later retry of the same id carries more retries and does run);
-2. claim ``task:<id>`` bound to this worker's lease; a live claim elsewhere (or here) →
-   **park** (neither run nor ack) and decide again later (a parked delivery reads the claim
-   first, and claims only once it is gone or its lease dead);
+1. a ``done/<id>`` tombstone that does not hand the id on to this delivery → **duplicate** (ack
+   and drop). A run hands its id on when it published a message under its own id (``self.retry``,
+   ``Task.replace``, ``apply_async(task_id=self.request.id)``) or the first task of its
+   replacement (the pool child marks it, ``handoffs.py``); the tombstone records that
+   (``handoff``), the finished delivery's generation ``(replaced_task_nesting, retries)`` and
+   its digest. Only a delivery of a generation at least as high, and not the finished delivery
+   itself (same digest), may then run: a redelivery of a finished message, an older message and
+   any message after a run that handed nothing on are duplicates (``is_successor``);
+2. claim ``task:<id>`` bound to this worker's lease, **in the same atomic store operation as a
+   check that the tombstone is still the one just judged** (a finisher that writes it in between
+   makes the claim fail with ``RecordChanged``, and the delivery is decided again); a live claim
+   elsewhere (or here) → **park** (neither run nor ack) and decide again later (a parked delivery
+   reads the claim first, and claims only once it is gone or its lease dead);
 3. the delivery count (kept in ``deliveries/<id>`` by whoever requeued the task: the reaper, or
    this worker when a child died) reaches ``crawl_max_deliveries`` → **poison** (end as FAILURE
    without running);
@@ -31,7 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import itertools
+import json
 import logging
 import math
 import threading
@@ -40,7 +51,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import keys
-from ..errors import LeaseLost
+from ..errors import LeaseLost, RecordChanged
 from ..leases.base import Claim, Lease, LeaseStore
 
 __all__ = [
@@ -51,9 +62,11 @@ __all__ = [
     "Outcome",
     "deliveries_key",
     "estimate_death",
+    "is_successor",
     "json_tag",
     "lenient_float",
     "lenient_int",
+    "message_digest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -116,6 +129,12 @@ class Held:
     alive_at: float | None = None
     fenced: bool = False
     retries: int = 0
+    #: ``(replaced_task_nesting, retries)`` of the message (see ``is_successor``).
+    generation: tuple[int, int] = (0, 0)
+    #: Digest of the message's headers and body: the same for every redelivery of it.
+    digest: str = ""
+    #: The run handed its task id on (set from the pool child's mark when it ends).
+    handoff: bool = False
     message: Any = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Unique per delivery: a message restored twice can reach us twice with the same tag.
@@ -228,6 +247,8 @@ class Claimer:
         exchange: str | None = None,
         routing_key: str | None = None,
         retries: int = 0,
+        generation: tuple[int, int] | None = None,
+        digest: str = "",
         known_deliveries: int = 0,
         parked: bool = False,
         holder: str | None = None,
@@ -236,6 +257,8 @@ class Claimer:
         """Decide one delivery (a fresh one, or a parked one being looked at again).
 
         Args:
+            generation: ``(replaced_task_nesting, retries)`` of the message (default
+                ``(0, retries)``); digest: ``message_digest`` of it (see ``is_successor``).
             known_deliveries: a delivery count already known from a claimant seen while parked.
             parked: a parked delivery looked at again: the claim is read before claiming, so a
                 claim still alive costs no claim attempt and a dead one is recognised as the
@@ -246,12 +269,31 @@ class Claimer:
         Raises:
             StoreError: the store failed; the caller requeues the message (fails closed).
         """
-        lease = self._lease()
-        if lease is None:
-            return Decision(Outcome.NO_LEASE)
+        gen = generation if generation is not None else (0, retries)
+        for _ in range(3):
+            lease = self._lease()
+            if lease is None:
+                return Decision(Outcome.NO_LEASE)
+            try:
+                return self._decide_once(
+                    lease, task_id, delivery_tag=delivery_tag, queue=queue, exchange=exchange,
+                    routing_key=routing_key, retries=retries, generation=gen, digest=digest,
+                    known_deliveries=known_deliveries, parked=parked, holder=holder,
+                    alive_at=alive_at)
+            except RecordChanged:
+                continue  # a run of this id ended meanwhile: judge its tombstone
+        return Decision(Outcome.PARK, deliveries=known_deliveries, holder=holder,
+                        alive_at=alive_at)
+
+    def _decide_once(self, lease: Lease, task_id: str, *, delivery_tag: Any, queue: str | None,
+                     exchange: str | None, routing_key: str | None, retries: int,
+                     generation: tuple[int, int], digest: str, known_deliveries: int,
+                     parked: bool, holder: str | None, alive_at: float | None) -> Decision:
         key = keys.task_claim(task_id)
-        done, seen = self.store.get_many([keys.done(task_id), deliveries_key(task_id)])
-        if done is not None and lenient_int(done.get("retries")) >= retries:
+        done_key = keys.done(task_id)
+        (done, version), (seen, _) = self.store.get_many_versioned(
+            [done_key, deliveries_key(task_id)])
+        if done is not None and not is_successor(done, generation, digest):
             return Decision(Outcome.DUPLICATE)
         prior = max(known_deliveries, lenient_int((seen or {}).get("n")))
         # Set by the reaper when it found the previous claimant's lease dead.
@@ -279,7 +321,8 @@ class Claimer:
             "claimed_at": time.time(),
         }
         try:
-            token = self.store.claim(lease, key, value)
+            token = self.store.claim_unless_changed(lease, key, value, record=done_key,
+                                                    version=version)
         except LeaseLost:
             return Decision(Outcome.NO_LEASE)
         if token is None:
@@ -316,7 +359,8 @@ class Claimer:
             self.store.put(
                 keys.done(held.task_id),
                 {"state": state, "token": held.token, "retries": held.retries,
-                 "worker": self.worker, "at": time.time()},
+                 "gen": list(held.generation), "digest": held.digest,
+                 "handoff": held.handoff, "worker": self.worker, "at": time.time()},
                 ttl_s=self.done_ttl_s,
             )
         self.drop(held, lease)
@@ -334,6 +378,42 @@ class Claimer:
                 pass
         # The lease that made the claim is gone: the claim is orphaned; drop it by token.
         self.store.drop_claim(held.as_claim())
+
+
+#: Headers a broker may add or change on redelivery (RabbitMQ quorum queues: x-delivery-count).
+_VOLATILE = ("x-",)
+
+
+def message_digest(headers: Mapping[str, Any], body: Any) -> str:
+    """Digest of a task message as published: the same for every redelivery of it, different
+    for any other message of the same task id (a retry, a replacement, a re-publish). The
+    caller has already removed the claim-token header (the worker writes it)."""
+    kept = {k: v for k, v in headers.items()
+            if isinstance(k, str) and not k.startswith(_VOLATILE)}
+    h = hashlib.blake2b(digest_size=12)
+    h.update(json.dumps(kept, sort_keys=True, default=str).encode())
+    h.update(b"\0")
+    h.update(body if isinstance(body, bytes) else str(body).encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def is_successor(done: Mapping[str, Any], generation: tuple[int, int], digest: str) -> bool:
+    """Whether a delivery may run after the run that wrote tombstone ``done``.
+
+    Only if that run handed its id on (``handoff``: the pool child saw it publish a message
+    under its own id, or the first task of its replacement), the delivery is not the finished
+    delivery itself (another digest) and its generation ``(replaced_task_nesting, retries)`` is
+    not older than the finished one's (``Task.replace`` raises the nesting, ``retry`` the
+    retries). A tombstone without ``handoff`` is final: no header reopens it.
+    """
+    if done.get("handoff") is not True:
+        return False
+    if digest and done.get("digest") == digest:
+        return False
+    raw = done.get("gen")
+    finished = ((lenient_int(raw[0]), lenient_int(raw[1])) if isinstance(raw, list)
+                and len(raw) == 2 else (0, lenient_int(done.get("retries"))))
+    return generation >= finished
 
 
 def record_requeues(store: LeaseStore, claims: list[Claim], ttl_s: float,

@@ -10,6 +10,9 @@ a ready state of any task. The main process keeps marked tasks on a lease loss a
 their end once the store answers again (the reaper gives an orphaned claim one grace period
 before it reaps it). Every end of a delivery clears its mark.
 
+A second kind of mark says that a run handed its task id on (it published a retry or a
+replacement of itself, see ``handoffs.py``); the main process records it in the done tombstone.
+
 Marks are empty files in a directory private to this worker process start (under
 ``/dev/shm`` when writable), named by a hash of the task id; the directory is made by the
 main process before the pool forks, so every child inherits its path.
@@ -23,7 +26,7 @@ import os
 import shutil
 import tempfile
 
-__all__ = ["clear", "finished", "mark", "setup", "teardown"]
+__all__ = ["clear", "finished", "handed_off", "mark", "mark_handoff", "setup", "teardown"]
 
 _dir: str | None = None
 
@@ -64,8 +67,22 @@ def finished(task_id: str) -> bool:
     return path is not None and os.path.exists(path)
 
 
+def mark_handoff(task_id: str) -> None:
+    """The run of ``task_id`` published the next run of its id (pool child)."""
+    path = _path(task_id)
+    if path is not None:
+        with contextlib.suppress(OSError), open(path + ".handoff", "wb"):
+            pass
+
+
+def handed_off(task_id: str) -> bool:
+    path = _path(task_id)
+    return path is not None and os.path.exists(path + ".handoff")
+
+
 def clear(task_id: str) -> None:
     path = _path(task_id)
     if path is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        for each in (path, path + ".handoff"):
+            with contextlib.suppress(OSError):
+                os.unlink(each)

@@ -41,8 +41,13 @@ def install_worker(app: Any, config: CrawlConfig | None = None) -> CrawlConfig:
     Raises:
         ConfigError: naming a bad ``crawl_*`` setting.
     """
-    from . import control  # noqa: F401 - registers the crawl_leases remote command
+    from . import (
+        control,  # noqa: F401 - registers the crawl_leases remote command
+        handoffs,
+    )
     from .steps import ClaimStep, LeaseStep
+
+    handoffs.connect()
 
     config = config or CrawlConfig.from_app(app)
     worker_steps = app.steps["worker"]

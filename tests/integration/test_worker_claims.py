@@ -5,6 +5,7 @@ No Celery processes here: these pin the store-side behaviour the system tests re
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -72,8 +73,15 @@ def test_decisions_park_duplicate_poison(store: LeaseStore) -> None:
     ca.finish(held, state="done")
     assert store.claimant(keys.task_claim("t1")) is None
     assert cb.decide("t1", delivery_tag="x2", queue="q").outcome is Outcome.DUPLICATE
-    # A retry of the same id carries more retries and runs.
-    assert cb.decide("t1", delivery_tag="x3", queue="q", retries=1).outcome is Outcome.RUN
+    # A header alone reopens nothing: the run handed its id on to no retry.
+    assert cb.decide("t1", delivery_tag="x3", queue="q", retries=1).outcome is (
+        Outcome.DUPLICATE)
+    # A run that retried hands its id on: the retry (one more retry) runs.
+    again = ca.decide("t3", delivery_tag="z1", queue="q", digest="m1")
+    ca.finish(dataclasses.replace(held, task_id="t3", token=again.token, digest="m1",
+                                  handoff=True), state="done")
+    assert cb.decide("t3", delivery_tag="z2", queue="q", retries=1,
+                     digest="m2").outcome is Outcome.RUN
     # Requeued twice (its child died): the third delivery is poison.
     store.put(deliveries_key("t2"), {"n": 2}, ttl_s=60)
     assert ca.decide("t2", delivery_tag="y", queue="q").outcome is Outcome.POISON
