@@ -233,12 +233,9 @@ def test_store_authenticates_again_when_its_token_expires(short_token_etcd: Secu
 
 def _raw_client(server: SecureEtcd, user: str, password: str) -> Any:
     """A python-etcd3 client that authenticates once and never again."""
-    from celery_crawl.leases.etcd import import_etcd3
+    from celery_crawl.leases.etcd import python_etcd3
 
-    import_etcd3()
-    import etcd3
-
-    return etcd3.client("127.0.0.1", server.https_port, ca_cert=str(server.pki.ca),
+    return python_etcd3().client("127.0.0.1", server.https_port, ca_cert=str(server.pki.ca),
                         cert_key=str(server.pki.client_key),
                         cert_cert=str(server.pki.client_cert), user=user, password=password,
                         timeout=5)
