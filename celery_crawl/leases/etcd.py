@@ -47,6 +47,7 @@ handlers".
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -57,7 +58,7 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -87,6 +88,8 @@ MAX_TXN_OPS = 128
 _TLS_OPTIONS = ("ca_cert", "cert_cert", "cert_key")
 _POLL_S = 0.1
 _OCC_ATTEMPTS = 5
+#: Transactions of one batched call in flight at once.
+_PIPELINE = 4
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +365,41 @@ class EtcdLeaseStore:
             self.round_trips += 1
             return method(request, timeout=self.timeout_s, metadata=self._metadata)
 
+    def _txn_pipelined(self, what: str, requests: Iterable[Any]) -> list[Any]:
+        """Transactions sent without waiting for the previous reply (at most ``_PIPELINE`` in
+        flight), so building the next overlaps etcd applying this one; replies in order.
+
+        A request whose auth token lapsed is sent once more through ``_call``, which
+        authenticates again; on any other error the ones still in flight are cancelled."""
+        in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
+        out: list[Any] = []
+
+        def settle() -> None:
+            req, future = in_flight.popleft()
+            try:
+                with self._translate(what):
+                    out.append(future.result())
+            except StoreUnavailable as exc:
+                if self._credentials is None or "auth token" not in str(exc):
+                    raise
+                out.append(self._call(what, self._kv.Txn, req))
+
+        try:
+            for req in requests:
+                if len(in_flight) >= _PIPELINE:
+                    settle()
+                with self._translate(what):
+                    self.round_trips += 1
+                    in_flight.append((req, self._kv.Txn.future(
+                        req, timeout=self.timeout_s, metadata=self._metadata)))
+            while in_flight:
+                settle()
+        except BaseException:
+            for _, future in in_flight:
+                future.cancel()
+            raise
+        return out
+
     def _k(self, kind: str, name: str) -> bytes:
         return f"{self._prefix}{kind}:{name}".encode()
 
@@ -383,8 +421,12 @@ class EtcdLeaseStore:
 
     # request builders ------------------------------------------------------------------------
     def _cmp(self, key: bytes, target: str, op: str, value: Any) -> Any:
-        c = self._rpc.Compare(key=key, result=getattr(self._rpc.Compare, op),
-                              target=getattr(self._rpc.Compare, target))
+        return self._fill_cmp(self._rpc.Compare(), key, target, op, value)
+
+    def _fill_cmp(self, c: Any, key: bytes, target: str, op: str, value: Any) -> Any:
+        c.key = key
+        c.result = getattr(self._rpc.Compare, op)
+        c.target = getattr(self._rpc.Compare, target)
         if target == "LEASE":
             c.lease = int(value)
         elif target == "CREATE":
@@ -396,8 +438,17 @@ class EtcdLeaseStore:
         return c
 
     def _put(self, key: bytes, value: bytes, lease: int = 0) -> Any:
-        return self._rpc.RequestOp(request_put=self._rpc.PutRequest(key=key, value=value,
-                                                                    lease=lease))
+        op = self._rpc.RequestOp()
+        self._fill_put(op.request_put, key, value, lease)
+        return op
+
+    @staticmethod
+    def _fill_put(put: Any, key: bytes, value: bytes, lease: int = 0) -> None:
+        put.key = key
+        if value:
+            put.value = value
+        if lease:
+            put.lease = lease
 
     def _get(self, key: bytes) -> Any:
         return self._rpc.RequestOp(request_range=self._rpc.RangeRequest(key=key))
@@ -536,33 +587,37 @@ class EtcdLeaseStore:
     ) -> list[int | None]:
         """One transaction per 120 claims: the lease must be current; each key is a nested
         transaction that creates the claim iff its ``live`` marker is absent. (etcd counts a
-        nested transaction's operations against what its parent leaves of the 128.)"""
-        out: list[int | None] = []
+        nested transaction's operations against what its parent leaves of the 128.) The
+        transactions are pipelined (``_txn_pipelined``); each is built in place, because
+        protobuf copies a message passed to a constructor."""
         seen: set[str] = set()
         batch_size = MAX_TXN_OPS - 8
-        index_op = self._put(self._k("claim-leases", lease.name), b"")
-        for start in range(0, len(items), batch_size):
-            batch = items[start:start + batch_size]
-            nested, slots = [], []
-            for key, value in batch:
-                if key in seen:  # a key twice in one call: the second is refused
-                    slots.append(False)
-                    continue
-                seen.add(key)
-                slots.append(True)
-                live = self._k("live", key)
-                doc = _dumps({"lease": lease.name, "holder": lease.holder,
-                              "value": dict(value)}, key)
-                nested.append(self._rpc.RequestOp(request_txn=self._rpc.TxnRequest(
-                    compare=[self._cmp(live, "CREATE", "EQUAL", 0)],
-                    success=[self._put(self._k("claim", key), doc),
-                             self._put(live, b"", lease.handle or 0),
-                             self._put(self._k("claims-of", f"{lease.name}/{key}"), b"")],
-                )))
-            if not nested:
-                out.extend(None for _ in batch)
+        batches: list[list[bool]] = []  # per batch, whether each item is claimed in it
+
+        def requests() -> Iterator[Any]:
+            for start in range(0, len(items), batch_size):
+                slots: list[bool] = []
+                req = self._rpc.TxnRequest(compare=self._lease_current(lease))
+                self._fill_put(req.success.add().request_put,
+                               self._k("claim-leases", lease.name), b"")
+                for key, value in items[start:start + batch_size]:
+                    if key in seen:  # a key twice in one call: the second is refused
+                        slots.append(False)
+                        continue
+                    seen.add(key)
+                    slots.append(True)
+                    self._add_claim(req, lease, key, value)
+                batches.append(slots)
+                if any(slots):
+                    yield req
+
+        replies = iter(self._txn_pipelined("claim", requests()))
+        out: list[int | None] = []
+        for slots in batches:
+            if not any(slots):
+                out.extend(None for _ in slots)
                 continue
-            resp = self._txn("claim", self._lease_current(lease), [index_op, *nested])
+            resp = next(replies)
             if not resp.succeeded:
                 raise LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: it is "
                                 f"gone or held by another holder")
@@ -574,6 +629,18 @@ class EtcdLeaseStore:
                     continue
                 out.append(token if next(results).response_txn.succeeded else None)
         return out
+
+    def _add_claim(self, req: Any, lease: Lease, key: str, value: Mapping[str, Any]) -> None:
+        """Append to ``req`` the nested transaction that creates claim ``key`` iff its ``live``
+        marker is absent."""
+        live = self._k("live", key)
+        doc = _dumps({"lease": lease.name, "holder": lease.holder, "value": dict(value)}, key)
+        txn = req.success.add().request_txn
+        self._fill_cmp(txn.compare.add(), live, "CREATE", "EQUAL", 0)
+        self._fill_put(txn.success.add().request_put, self._k("claim", key), doc)
+        self._fill_put(txn.success.add().request_put, live, b"", lease.handle or 0)
+        self._fill_put(txn.success.add().request_put,
+                       self._k("claims-of", f"{lease.name}/{key}"), b"")
 
     def _read_claims(self, keys: Sequence[str], *, strict: bool = True) -> list[Claim | None]:
         """Claims with liveness, ``claim`` and ``live`` read in one transaction per 64 keys.
