@@ -237,9 +237,13 @@ def _holder_of(raw: bytes, name: str) -> str:
     return holder
 
 
+#: One encoder for every value (``json.dumps`` with options builds a new one per call).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+
+
 def _dumps(value: Mapping[str, Any], key: str) -> bytes:
     try:
-        return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+        return _ENCODER.encode(value).encode()
     except (TypeError, ValueError) as exc:
         raise StoreDataError(f"value for {key!r} is not JSON-serializable: {exc}") from exc
 
