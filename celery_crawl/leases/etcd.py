@@ -374,9 +374,12 @@ class EtcdLeaseStore:
         flight), so building the next overlaps etcd applying this one; replies in order.
 
         A request whose auth token lapsed is sent once more through ``_call``, which
-        authenticates again; on any other error the ones still in flight are cancelled."""
+        authenticates again; on any other error the ones still in flight are cancelled. If
+        building a request fails (a value that is not JSON), those already sent are waited for
+        first, so what was written is what a one-by-one loop would have written."""
         in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
         out: list[Any] = []
+        pending = iter(requests)
 
         def settle() -> None:
             req, future = in_flight.popleft()
@@ -389,7 +392,16 @@ class EtcdLeaseStore:
                 out.append(self._call(what, self._kv.Txn, req))
 
         try:
-            for req in requests:
+            while True:
+                try:
+                    req = next(pending)
+                except StopIteration:
+                    break
+                except Exception:
+                    with contextlib.suppress(StoreError):
+                        while in_flight:
+                            settle()
+                    raise
                 if len(in_flight) >= _PIPELINE:
                     settle()
                 with self._translate(what):

@@ -14,7 +14,13 @@ import pytest
 
 from celery_crawl.clock import Clock, RedisTimeReference
 from celery_crawl.config import CrawlConfig
-from celery_crawl.errors import ConfigError, CrawlError, LeaseLost, UnsupportedSetup
+from celery_crawl.errors import (
+    ConfigError,
+    CrawlError,
+    LeaseLost,
+    StoreDataError,
+    UnsupportedSetup,
+)
 from celery_crawl.leases import Characteristic, make_holder, open_store, require, store_for
 from celery_crawl.leases.redis import RedisLeaseStore, parse_redis_url, token_counter_key
 from tests.servers import EtcdServer, RedisServer, free_cluster_port, free_port
@@ -157,6 +163,27 @@ def test_etcd_store_refuses_use_in_a_forked_child(etcd_server: EtcdServer) -> No
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert store.holder("a") is None, "the parent keeps working"
+    finally:
+        store.close()
+
+
+def test_etcd_pipelined_claims_stop_like_sequential_ones_on_a_bad_value(
+        etcd_server: EtcdServer) -> None:
+    """claim_many sends its transactions pipelined; a value that is not JSON in the fourth
+    batch of 120 leaves exactly the first three batches claimed, as one-by-one sending did."""
+    store = open_store(etcd_server.url, namespace="pipe")
+    try:
+        lease = store.acquire("w", 10, "h")
+        assert lease is not None
+        items: list[tuple[str, dict[str, object]]] = [(f"task:{i}", {"i": i})
+                                                       for i in range(600)]
+        items[400] = ("task:400", {"bad": object()})
+        with pytest.raises(StoreDataError, match="task:400"):
+            store.claim_many(lease, items)
+        claimed = {c.key for c in store.claims_of("w")}
+        assert claimed == {f"task:{i}" for i in range(360)}
+        assert all(store.claim_many(lease, [(f"more:{i}", {}) for i in range(500)]))
+        store.release(lease)
     finally:
         store.close()
 
