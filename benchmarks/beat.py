@@ -50,7 +50,7 @@ def beat(scheduler: str, env: dict[str, str], tag: str) -> Proc:
     _n += 1
     return Proc(celery_args("tests.system.beatapp", "beat", "-S", scheduler, "-l", "INFO",
                             "-s", str(LOGS / f"schedule-{_n}")),
-                env={"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python", **env},
+                env=env,
                 log_path=LOGS / f"{tag}-{_n}.log")
 
 

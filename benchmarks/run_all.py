@@ -11,8 +11,8 @@ servers and anchors (stock Celery, celery-redbeat from the ``bench`` extra, raw 
 RESULTS.md holds:
 
 * the machine (CPU model, cores, memory, kernel, load average before the run) and the versions
-  (Python, Celery, kombu, redis-py, python-etcd3, celery-redbeat, redis-server, etcd, and the
-  git commit of celery-crawl);
+  (Python, Celery, kombu, redis-py, python-etcd3, grpcio, protobuf and its implementation,
+  celery-redbeat, redis-server, etcd, and the git commit of celery-crawl);
 * the tables of figures and ratios: every Markdown table a benchmark printed, and every
   aligned-text table with a ``ratio`` column, copied as Markdown tables;
 * each benchmark's full output, its command, exit status and duration.
@@ -124,6 +124,17 @@ def _dist(name: str) -> str:
         return "not installed"
 
 
+def _protobuf_kind() -> str:
+    """protobuf's implementation in a fresh interpreter (the benchmarks' default)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", "from google.protobuf.internal import "
+                              "api_implementation as a; print(a.Type())"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "not installed"
+
+
 def _binary(cmd: list[str], pattern: str) -> str:
     if cmd[0] == "redis-server":  # the one the benchmarks start (the system one first)
         from celery_crawl.errors import ConfigError
@@ -158,6 +169,8 @@ def versions() -> list[tuple[str, str]]:
         ("kombu", _dist("kombu")),
         ("redis-py", _dist("redis")),
         ("etcd3 (python)", _dist("etcd3")),
+        ("grpcio", _dist("grpcio")),
+        ("protobuf", f"{_dist('protobuf')} ({_protobuf_kind()})"),
         ("celery-redbeat (anchor)", _dist("celery-redbeat")),
         ("redis-server", _binary(["redis-server", "--version"], r"v=(\S+)")),
         ("etcd", _binary(["etcd", "--version"], r"etcd Version: (\S+)")),

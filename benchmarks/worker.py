@@ -15,7 +15,6 @@ rows are skipped when those are missing). Prints two Markdown tables:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -24,7 +23,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

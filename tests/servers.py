@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -147,9 +147,11 @@ class RedisServer:
 
 
 class EtcdServer:
-    """One single-member etcd with its data under /dev/shm when available."""
+    """One single-member etcd with its data under /dev/shm when available; ``args`` are more
+    flags (e.g. ``--quota-backend-bytes``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, args: Sequence[str] = ()) -> None:
+        self.args = list(args)
         self.client_port = free_port()
         self.peer_port = free_port()
         self.name = f"crawl-{uuid.uuid4().hex[:8]}"
@@ -170,7 +172,7 @@ class EtcdServer:
             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
             "--initial-cluster", f"{self.name}=http://127.0.0.1:{self.peer_port}",
-            "--initial-cluster-state", "new", "--log-level", "error",
+            "--initial-cluster-state", "new", "--log-level", "error", *self.args,
         ]
         log = open(self.dir / "etcd.log", "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(args, start_new_session=True, stdout=log, stderr=log)

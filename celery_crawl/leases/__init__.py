@@ -2,8 +2,9 @@
 
 ``redis://`` and ``rediss://`` open :class:`~celery_crawl.leases.redis.RedisLeaseStore`;
 ``etcd://``, ``etcd+http://`` and ``etcd+https://`` open
-:class:`~celery_crawl.leases.etcd.EtcdLeaseStore` (imported lazily, because importing etcd3 sets
-process-wide protobuf and gRPC options). Each driver's module docstring gives its URL grammar.
+:class:`~celery_crawl.leases.etcd.EtcdLeaseStore` (imported lazily: it needs the optional ``etcd``
+extra, grpcio and protobuf, which a Redis-only install does not have). Each driver's module
+docstring gives its URL grammar.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def open_store(url: str, *, namespace: str, timeout_s: float = 2.0,
         redis_wait_replicas: Redis only; ``WAIT`` for this many replicas after lease writes.
 
     Raises:
-        ConfigError: unknown scheme or a malformed URL (message names ``crawl_lease_url``).
-        CrawlError: the etcd client library cannot be imported in this process.
+        ConfigError: unknown scheme or a malformed URL (message names ``crawl_lease_url``), or
+            an etcd URL without the ``etcd`` extra installed (the message names the extra).
     """
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme not in LEASE_SCHEMES:

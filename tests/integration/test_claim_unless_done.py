@@ -7,14 +7,11 @@ that runs the finisher right before the wrapped store's claim call.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-
-os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
 from celery_crawl import keys
 from celery_crawl.errors import LeaseLost, RecordChanged

@@ -6,13 +6,10 @@ No Celery processes here: these pin the store-side behaviour the system tests re
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Iterator
 
 import pytest
-
-os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
 from celery_crawl import keys
 from celery_crawl.leases import open_store

@@ -9,7 +9,6 @@ order, it chooses, so a loss and the re-acquisition after it are both pending at
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,9 +16,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
-
 from celery import Celery, signals
 
 from celery_crawl import keys
@@ -72,6 +68,7 @@ class Message:
         self.headers: dict[str, Any] = {"id": task_id, "retries": 0}
         self.delivery_info = {"routing_key": "q", "exchange": ""}
         self.delivery_tag = tag
+        self.body = b"[[], {}, {}]"
         self.acknowledged = False
         self.rejected: list[bool] = []
 

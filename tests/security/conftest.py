@@ -13,8 +13,6 @@ import pytest
 from tests.security.tlsservers import AclRedis, Pki, SecureEtcd, SecureRedis, make_pki
 from tests.servers import etcd_binary
 
-os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
-
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:

@@ -217,15 +217,20 @@ def test_store_authenticates_again_when_its_token_expires(short_token_etcd: Secu
     witness = _raw_client(short_token_etcd, user, password)
     try:
         store.put("before-idle", {"n": 1})
+        held = store.acquire("held", 30.0, "idle:1:x")
+        assert held is not None
         witness.get("sec:witness")
         time.sleep(2.5)  # the fault: idleness past the token TTL (checked every second)
         with pytest.raises(Exception, match="auth token"):  # the fault really happened
             witness.get("sec:witness")
+        # First after the idle: pipelined claim transactions, all sent with the lapsed token.
+        assert all(store.claim_many(held, [(f"task:{i}", {}) for i in range(600)]))
         assert store.get("before-idle") == {"n": 1}
         lease = store.acquire("after-idle", 3.0, "idle:1:x")
         assert lease is not None
         store.renew(lease)
         store.release(lease)
+        store.release(held)
     finally:
         store.close()
         witness.close()
@@ -233,12 +238,9 @@ def test_store_authenticates_again_when_its_token_expires(short_token_etcd: Secu
 
 def _raw_client(server: SecureEtcd, user: str, password: str) -> Any:
     """A python-etcd3 client that authenticates once and never again."""
-    from celery_crawl.leases.etcd import import_etcd3
+    from celery_crawl.leases.etcd import python_etcd3
 
-    import_etcd3()
-    import etcd3
-
-    return etcd3.client("127.0.0.1", server.https_port, ca_cert=str(server.pki.ca),
+    return python_etcd3().client("127.0.0.1", server.https_port, ca_cert=str(server.pki.ca),
                         cert_key=str(server.pki.client_key),
                         cert_cert=str(server.pki.client_cert), user=user, password=password,
                         timeout=5)

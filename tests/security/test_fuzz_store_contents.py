@@ -321,12 +321,9 @@ def test_store_errors_are_only_crawl_errors(store: Any, raw: redis.Redis, ns: st
 # ``{ns}:claims-of:<lease>/<key>``, ``{ns}:claim-leases:<lease>``, ``{ns}:q:<queue>/<id>``).
 @pytest.fixture(scope="module")
 def etcd_raw(etcd_server: Any) -> Iterator[Any]:
-    from celery_crawl.leases.etcd import import_etcd3
+    from celery_crawl.leases.etcd import python_etcd3
 
-    import_etcd3()  # sets the protobuf implementation python-etcd3 needs
-    import etcd3
-
-    client = etcd3.client("127.0.0.1", etcd_server.client_port, timeout=5)
+    client = python_etcd3().client("127.0.0.1", etcd_server.client_port, timeout=5)
     yield client
     client.close()
 

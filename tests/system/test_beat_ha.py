@@ -64,7 +64,6 @@ class Cluster:
             "CRAWL_B_NS": ns,
             "CRAWL_B_TTL": str(TTL_S),
             "CRAWL_B_SINK": broker.url_db(2),
-            "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python",
         }
         self.store = open_store(lease_url, namespace=ns, timeout_s=2.0)
 
@@ -393,7 +392,6 @@ def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         if os.environ.get("CRAWL_REQUIRE_ETCD") == "1" or os.environ.get("CI") == "true":
             pytest.fail("etcd binary not found")
         pytest.skip("etcd binary not found")
-    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
     logs = tmp_path_factory.mktemp("beat-etcd")
     etcd = EtcdServer().start()
     broker = RedisServer().start()

@@ -41,7 +41,6 @@ class Combo:
             "CRAWL_T_BROKER": self.broker, "CRAWL_T_BACKEND": self.backend,
             "CRAWL_T_LEASE": self.lease, "CRAWL_T_NS": self.ns, "CRAWL_T_SINK": self.sink,
             "CRAWL_T_TTL": str(TTL_S), "CRAWL_T_REAPER": str(REAPER_S),
-            "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python",
             **self.extra_env, **more,
         }
 

@@ -92,6 +92,14 @@ def test_services_and_healthchecks() -> None:
     redis_cmd = services["redis"]["command"]
     assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
     assert redis_cmd[redis_cmd.index("--maxmemory-policy") + 1] == "noeviction"
+    # etcd compacts its history by itself (else its quota fills: docs/leases.md), and the
+    # crawler image has the etcd extra its ETCD_URL needs.
+    etcd_cmd = services["etcd"]["command"]
+    assert etcd_cmd[etcd_cmd.index("--auto-compaction-mode") + 1] == "periodic"
+    assert etcd_cmd[etcd_cmd.index("--auto-compaction-retention") + 1] == "1m"
+    assert int(etcd_cmd[etcd_cmd.index("--quota-backend-bytes") + 1]) >= 2**30
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert re.search(r"pip install '\.\[[^\]]*\betcd\b[^\]]*\]'", dockerfile), dockerfile
     for beat in ("beat-1", "beat-2"):
         cmd = services[beat]["command"]
         assert cmd[cmd.index("-S") + 1] == "celery_crawl.beat:LeasedScheduler"

@@ -227,7 +227,6 @@ class Stack:
             "SOAK_SINK_URL": self.sink.url,
             "SOAK_BEAT_TTL": str(self.ttl_s),
             "SOAK_WORKER_TTL": str(self.ttl_s),
-            "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python",
         }
 
     def start(self) -> Stack:
