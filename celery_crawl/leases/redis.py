@@ -11,9 +11,10 @@ verification off). Port defaults to 6379, db to 0.
 
 Physical layout, every key prefixed ``"{namespace}:"``:
 
-* ``token`` — the fencing-token counter (string). Re-seeded from ``TIME`` in microseconds when
-  missing, so tokens never go backwards after a restart without persistence or a failover. The
-  audited result backend relies on "token ``t`` was issued iff ``t <= GET {namespace}:token``".
+* ``token`` — the fencing-token counter (string). A token is ``max(INCR, TIME in µs)`` and the
+  counter is set to it, so tokens never go backwards when the counter does (missing or older
+  after a restart or a failover to a lagging replica). The audited result backend relies on
+  "token ``t`` was issued => ``t <= GET {namespace}:token``".
 * ``lease:<name>`` — hash ``{holder, token}`` with a millisecond ``PEXPIRE``.
 * ``claim:<key>`` — hash ``{lease, holder, ltoken, token, value}``, no TTL: a claim is alive
   exactly while ``lease:<lease>`` exists with the same holder and lease token (``ltoken``), so
