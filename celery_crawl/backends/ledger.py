@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kombu.utils.encoding import bytes_to_str
@@ -99,15 +100,27 @@ class KeyLedger:
         return bool(self._call(self.backend.idem_update_script,
                                ["release", run_id, self.heartbeat_ttl_ms]))
 
-    def rollback_begin(self, run_id: str, token: str, *, final: bool, failure: str) -> str:
-        """Mark the rollback for ``token`` pending.
+    def rollback_begin(self, run_id: str, token: str, *, final: bool, failure: str,
+                       waited: bool = False) -> str:
+        """Take the rollback lock of ``token`` (marks the rollback pending).
+
+        The lock expires a heartbeat TTL after it was taken or last extended
+        (``rollback_touch``), so a holder that died releases it without anyone's help.
 
         Returns:
-            ``go``; ``done`` when it already completed for this (key, token); ``fenced`` when a
-            final-failure rollback is asked by a run that no longer owns the key.
+            ``go`` (this run holds the lock); ``done`` when the rollback already completed for
+            this (key, token); ``wait`` while another run holds the lock; ``failed`` when
+            ``waited`` and the run waited for gave up; ``fenced`` when a final-failure rollback
+            is asked by a run that no longer owns the key.
         """
         return str(bytes_to_str(self._call(self.backend.idem_update_script, [
-            "rb_begin", run_id, self.heartbeat_ttl_ms, token, "1" if final else "0", failure])))
+            "rb_begin", run_id, self.heartbeat_ttl_ms, token, "1" if final else "0", failure,
+            "1" if waited else "0"])))
+
+    def rollback_touch(self, run_id: str, token: str) -> bool:
+        """Extend this run's rollback lock of ``token``; False when it lost the lock."""
+        return bool(self._call(self.backend.idem_update_script,
+                               ["rb_touch", run_id, self.heartbeat_ttl_ms, token]))
 
     def rollback_end(self, run_id: str, token: str, *, final: bool, status: str) -> None:
         """Record the rollback outcome for ``token`` (``done`` or ``failed``)."""
@@ -121,15 +134,20 @@ class KeyLedger:
 
 
 class Heartbeat:
-    """Keeps a run's ownership of its key alive from a daemon thread (every ttl/3).
+    """Keeps a run's ownership of its key (or its rollback lock) alive from a daemon thread
+    (every ttl/3).
 
     A run that stops beating (killed, frozen) loses the key once the TTL passes; the next
-    delivery then takes it over, and the frozen run finds itself fenced when it resumes.
+    delivery then takes it over, and the frozen run finds itself fenced when it resumes. A
+    rollback lock lapses the same way, and the run waiting for it takes it over.
     """
 
-    def __init__(self, ledger: KeyLedger, run_id: str) -> None:
+    def __init__(self, ledger: KeyLedger, run_id: str,
+                 beat: Callable[[], bool] | None = None) -> None:
         self._ledger = ledger
         self._run_id = run_id
+        # What one beat extends: the key's ownership by default, or a rollback lock.
+        self._beat = beat or (lambda: ledger.touch(run_id))
         self._stop = threading.Event()
         self.fenced = False
         self._thread = threading.Thread(target=self._loop, name="crawl-idem-heartbeat",
@@ -143,7 +161,7 @@ class Heartbeat:
         interval = self._ledger.heartbeat_ttl_ms / 3000.0
         while not self._stop.wait(interval):
             try:
-                if not self._ledger.touch(self._run_id):
+                if not self._beat():
                     self.fenced = True
                     return
             except Exception:  # a transient Redis error: the next beat retries
