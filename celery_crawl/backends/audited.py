@@ -255,6 +255,8 @@ class AuditedRedisBackend(RedisBackend):
         self.audit_key: str = audit_stream_key(prefix, namespace)
         self.token_counter_key: str = _token_counter_key(namespace)
         self.checks_token_issuance: bool = self._lease_store_is_here()
+        #: The highest value of the lease store's token counter read so far (it only grows).
+        self._issued_floor = 0
 
     # -- URL ------------------------------------------------------------------------------------
     def _params_from_url(self, url: str, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -504,7 +506,15 @@ class AuditedRedisBackend(RedisBackend):
         return str(bytes_to_str(reply[0]))
 
     def _run_store(self, keys: list[str], args: list[Any]) -> Any:
-        return self._store_script(keys=keys, args=args, client=self.client)
+        token = args[3]
+        if args[9] == "1" and token and not int(token) <= self._issued_floor:
+            # The script must not read the counter (an undeclared key; see store.lua): it is
+            # read here first. Tokens at or below a counter value seen before need no read.
+            raw = self.client.get(args[11])
+            if raw is not None and bytes_to_str(raw).isdigit():
+                self._issued_floor = max(self._issued_floor, int(bytes_to_str(raw)))
+        return self._store_script(keys=keys, args=[*args[:11], str(self._issued_floor)],
+                                  client=self.client)
 
     def _forget(self, task_id: str) -> None:
         # Forgetting is recorded, so that `audit verify` expects the result to be gone.

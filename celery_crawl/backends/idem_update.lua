@@ -57,7 +57,7 @@ elseif op == 'rb_end' then
   local token, final, status = ARGV[4], ARGV[5], ARGV[6]
   redis.call('HSET', ekey, 'rb:' .. token, status)
   if status == 'done' or redis.call('HGET', ekey, 'rbo:' .. token) == owner then
-    redis.call('HDEL', ekey, 'rbo:' .. token, 'rbx:' .. token)
+    redis.call('HSET', ekey, 'rbx:' .. token, 0)  -- released (HSET: the documented ACL has no HDEL)
   end
   if final == '1' then redis.call('HSET', ekey, 'fin', status) end
   return 1

@@ -18,10 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 from kombu.utils.encoding import bytes_to_str
 
+from ..errors import StoreError
+
 if TYPE_CHECKING:
     from .audited import AuditedRedisBackend
 
 __all__ = ["Decision", "Heartbeat", "KeyLedger"]
+
+#: Attempts of ``begin`` when the key's owner changes between the script's replies.
+_BEGIN_ATTEMPTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +74,29 @@ class KeyLedger:
             # The record must outlive a run that is still heart-beating.
             self.keep_s = max(self.keep_s, int(heartbeat_ttl_s * 3) + 1)
 
-    def _call(self, script: Any, args: list[Any]) -> Any:
+    def _call(self, script: Any, args: list[Any], extra_keys: tuple[str, ...] = ()) -> Any:
+        keys = [self.record_key, *extra_keys]
         return self.backend.ensure(
-            lambda: script(keys=[self.record_key], args=args, client=self.backend.client), ())
+            lambda: script(keys=keys, args=args, client=self.backend.client), ())
 
     def begin(self, task_id: str, token: str, run_id: str, *, force: bool = False) -> Decision:
-        """Decide whether this run may start; takes the key when it may (``run``/``rollback``)."""
-        reply = self._call(self.backend.idem_begin_script, [
-            task_id, token, run_id, self.heartbeat_ttl_ms, self.keep_s,
-            self.backend.fence_prefix, "1" if force else "0",
-        ])
+        """Decide whether this run may start; takes the key when it may (``run``/``rollback``).
+
+        The fence record of the task owning the key is passed as a declared key: guessed to be
+        this task's, and, when the script answers ``need`` (nothing written), passed as named.
+        """
+        args = [task_id, token, run_id, self.heartbeat_ttl_ms, self.keep_s,
+                self.backend.fence_prefix, "1" if force else "0"]
+        own = self.backend.fence_key(task_id)
+        owner_fence = own
+        for _ in range(_BEGIN_ATTEMPTS):
+            reply = self._call(self.backend.idem_begin_script, args, (own, owner_fence))
+            if bytes_to_str(reply[0]) != "need":
+                break
+            owner_fence = self.backend.fence_key(bytes_to_str(reply[1]))
+        else:
+            raise StoreError(f"idempotency key {self.key!r} kept changing owner while it was "
+                             f"read ({_BEGIN_ATTEMPTS} attempts)")
         parts = [bytes_to_str(p) for p in reply] + ["", "", ""]
         kind, owner_task = parts[0], parts[1]
         if kind == "rollback":

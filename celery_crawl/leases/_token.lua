@@ -48,12 +48,21 @@ local function hmget_safe(key, ...)
   return r
 end
 
--- claim_alive(prefix, lease, holder, ltoken): the claim's lease key exists with the claim's
+-- lease_alive(lease_key, holder, ltoken): the claim's lease key exists with the claim's
 -- holder and lease token. A claim missing any of them is not alive.
-local function claim_alive(prefix, lease, holder, ltoken)
-  if not lease or not holder or not ltoken then return false end
-  local cur = hmget_safe(prefix .. 'lease:' .. lease, 'holder', 'token')
+local function lease_alive(lease_key, holder, ltoken)
+  if not lease_key or not holder or not ltoken then return false end
+  local cur = hmget_safe(lease_key, 'holder', 'token')
   return cur ~= nil and cur[1] ~= false and cur[1] == holder and cur[2] == ltoken
+end
+
+-- declared_keys(from): the set of KEYS[from..]. Every key a script touches is declared (Redis
+-- Cluster routes by them); a key named by stored data is looked up here, and a script that
+-- meets one that was not passed reports it instead of touching it.
+local function declared_keys(from)
+  local set = {}
+  for i = from, #KEYS do set[KEYS[i]] = true end
+  return set
 end
 
 -- claim_row(out, ck, c, alive): append one claim to a flat reply (missing fields as '').

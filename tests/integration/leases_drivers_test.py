@@ -276,12 +276,14 @@ def test_store_for_config_and_required_characteristics(redis_server: RedisServer
     assert make_holder() != holder
 
 
-def test_redis_cluster_is_refused_with_a_clear_error() -> None:
+def test_a_cluster_node_named_by_a_plain_redis_url_is_refused_with_a_clear_error() -> None:
     server = RedisServer(extra=["--cluster-enabled", "yes"], port=free_cluster_port()).start()
     try:
         store = open_store(server.url, namespace="cluster")
-        with pytest.raises(UnsupportedSetup, match="Redis Cluster is not supported"):
+        with pytest.raises(UnsupportedSetup, match=r"Redis Cluster node; name it with redis\+cluster://"):
             store.acquire("a", 5, make_holder())
         store.close()
+        with pytest.raises(ConfigError, match="only database 0"):
+            open_store(f"redis+cluster://127.0.0.1:{server.port}/3", namespace="cluster")
     finally:
         server.cleanup()
