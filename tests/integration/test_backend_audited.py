@@ -18,7 +18,10 @@ from hypothesis import strategies as st
 from celery_crawl.backends import AuditedRedisBackend
 from celery_crawl.backends.audit import history, iter_records, verify
 from celery_crawl.errors import ConfigError, SerializationRefused, StoreUnavailable
+from tests.clusters import RedisCluster3, redis_cluster
 from tests.servers import RedisServer, free_port, wait_until
+
+__all__ = ["redis_cluster"]  # a fixture used below
 
 
 def make_app(url: str, **conf: Any) -> Celery:
@@ -32,9 +35,16 @@ def req(token: int | None = None, worker: str = "w1", **extra: Any) -> Context:
     return Context(crawl_claim_token=token, hostname=worker, **extra)
 
 
-@pytest.fixture
-def backend(redis_server: RedisServer) -> AuditedRedisBackend:
-    app = make_app(f"crawlredis://127.0.0.1:{redis_server.port}/0")
+@pytest.fixture(params=["standalone", "cluster"])
+def backend(request: pytest.FixtureRequest) -> AuditedRedisBackend:
+    """The backend on the session's Redis, and on a 3-master Redis Cluster (every key under the
+    namespace's hash tag, on the master owning its slot)."""
+    if request.param == "cluster":
+        cluster: RedisCluster3 = request.getfixturevalue("redis_cluster")
+        app = make_app(f"crawlredis+cluster://127.0.0.1:{cluster.nodes[0].port}/0")
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        app = make_app(f"crawlredis://127.0.0.1:{server.port}/0")
     b = app.backend
     assert isinstance(b, AuditedRedisBackend)
     # The lease store defaults to the backend's server: tokens up to 10**6 count as issued.

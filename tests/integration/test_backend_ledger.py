@@ -22,13 +22,23 @@ from celery_crawl.tasks import (
     deadline_headers,
     parse_deadline,
 )
+from tests.clusters import RedisCluster3, redis_cluster
 from tests.servers import RedisServer, wait_until
 
+__all__ = ["redis_cluster"]  # a fixture used below
 
-@pytest.fixture
-def app(redis_server: RedisServer) -> Celery:
+
+@pytest.fixture(params=["standalone", "cluster"])
+def app(request: pytest.FixtureRequest) -> Celery:
+    """An app on the session's Redis, and on a 3-master Redis Cluster."""
+    if request.param == "cluster":
+        cluster: RedisCluster3 = request.getfixturevalue("redis_cluster")
+        url = f"crawlredis+cluster://127.0.0.1:{cluster.nodes[0].port}/0"
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        url = f"crawlredis://127.0.0.1:{server.port}/0"
     app = Celery(f"l{uuid.uuid4().hex[:6]}", broker="memory://", set_as_current=False,
-                 backend=f"crawlredis://127.0.0.1:{redis_server.port}/0")
+                 backend=url)
     app.conf.update(crawl_namespace=f"ns{uuid.uuid4().hex[:8]}", redis_socket_timeout=5)
     return app
 
