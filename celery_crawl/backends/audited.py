@@ -277,6 +277,13 @@ class AuditedRedisBackend(RedisBackend):
     def _params_from_url(self, url: str, defaults: dict[str, Any]) -> dict[str, Any]:
         scheme, sep, rest = url.partition("://")
         if scheme == "cluster":
+            configured = str(self.app.conf.get("result_backend") or "")
+            if not configured.startswith("crawlredis+cluster://"):
+                # Celery splits "X+cluster://" into a backend name and "cluster://": a TLS
+                # scheme (crawlrediss+cluster) would arrive here as plain text.
+                raise ConfigError(
+                    f"result_backend: {mask_url(configured)!r}: only crawlredis+cluster:// "
+                    "names a Redis Cluster (TLS to a cluster is not supported by the backend)")
             self.crawl_cluster = True
         mapped = _SCHEMES.get(scheme)
         if mapped is not None:
@@ -332,8 +339,13 @@ class AuditedRedisBackend(RedisBackend):
     def store_error(self, exc: BaseException, what: str = "") -> StoreError:
         """The ``StoreError`` for a redis-py (or socket) error ``exc``, naming the masked URL."""
         where = f"result backend {self.safe_url}" + (f": {what}" if what else "")
-        if isinstance(exc, redis_errors.AskError | redis_errors.ClusterDownError
-                      | redis_errors.TryAgainError):  # MovedError is an AskError
+        redirected = isinstance(exc, redis_errors.AskError | redis_errors.ClusterDownError
+                                | redis_errors.TryAgainError)  # MovedError is an AskError
+        if not self.crawl_cluster and (
+                redirected or isinstance(exc, redis_errors.ClusterCrossSlotError)):
+            return StoreError(f"{where}: the server is a Redis Cluster node; name it with "
+                              f"crawlredis+cluster:// ({exc})")
+        if redirected:
             self.__dict__.pop("client", None)  # the next call finds the slot's master again
             return StoreUnavailable(f"{where}: the cluster moved the slot or is down: {exc}")
         reason = refusal_reason(exc)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from celery_crawl.backends import AuditedRedisBackend
 from celery_crawl.backends.audit import history, iter_records, verify
-from celery_crawl.errors import ConfigError, SerializationRefused, StoreUnavailable
+from celery_crawl.errors import ConfigError, SerializationRefused, StoreError, StoreUnavailable
 from tests.clusters import RedisCluster3, redis_cluster
 from tests.servers import RedisServer, free_port, wait_until
 
@@ -341,3 +341,14 @@ def test_digest_survives_rich_json_values(backend) -> None:
     backend.store_result(tid, value, states.SUCCESS, request=req(None))
     raw = backend.client.get(backend.get_key_for_task(tid))
     assert backend.stored_digest(raw) == history(backend, tid)[-1].digest
+
+
+def test_a_cluster_needs_the_cluster_url_and_plain_text(redis_cluster: RedisCluster3) -> None:
+    seed = redis_cluster.nodes[0]
+    plain = make_app(f"crawlredis://127.0.0.1:{seed.port}/0").backend
+    tid = next(t for t in (str(uuid.uuid4()) for _ in range(100))
+               if redis_cluster.owner(plain.get_key_for_task(t).decode()) is not seed)
+    with pytest.raises(StoreError, match=r"Redis Cluster node; name it with crawlredis\+cluster"):
+        plain.store_result(tid, 1, states.SUCCESS, request=req())
+    with pytest.raises(ConfigError, match=r"only crawlredis\+cluster:// names a Redis Cluster"):
+        _ = make_app(f"crawlrediss+cluster://127.0.0.1:{seed.port}/0").backend
