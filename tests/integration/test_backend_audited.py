@@ -18,10 +18,8 @@ from hypothesis import strategies as st
 from celery_crawl.backends import AuditedRedisBackend
 from celery_crawl.backends.audit import history, iter_records, verify
 from celery_crawl.errors import ConfigError, SerializationRefused, StoreError, StoreUnavailable
-from tests.clusters import RedisCluster3, redis_cluster
+from tests.clusters import RedisCluster3
 from tests.servers import RedisServer, free_port, wait_until
-
-__all__ = ["redis_cluster"]  # a fixture used below
 
 
 def make_app(url: str, **conf: Any) -> Celery:

@@ -22,10 +22,8 @@ from celery_crawl.tasks import (
     deadline_headers,
     parse_deadline,
 )
-from tests.clusters import RedisCluster3, redis_cluster
+from tests.clusters import RedisCluster3
 from tests.servers import RedisServer, wait_until
-
-__all__ = ["redis_cluster"]  # a fixture used below
 
 
 @pytest.fixture(params=["standalone", "cluster"])

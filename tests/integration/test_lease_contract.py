@@ -36,10 +36,8 @@ from celery_crawl.errors import (
     StoreUnavailable,
 )
 from celery_crawl.leases import Lease, LeaseStore, StoreDiagnostics, open_store
-from tests.clusters import RedisCluster3, redis_cluster, running_redis_cluster
+from tests.clusters import RedisCluster3, running_redis_cluster
 from tests.servers import EtcdServer, RedisServer, free_port, wait_until
-
-__all__ = ["redis_cluster"]  # a fixture used below
 
 
 class ClusterTarget:
