@@ -182,7 +182,7 @@ def test_deadline_option_becomes_header_expires_and_time_limits(app) -> None:
     def capture(headers: dict[str, Any] | None = None, **_: Any) -> None:
         seen.append(dict(headers or {}))
 
-    @app.task(base=IdempotentTask, time_limit=3600)
+    @app.task(base=IdempotentTask, time_limit=3600, shared=False)  # one per app
     def job() -> None:
         pass
 
