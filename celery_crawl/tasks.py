@@ -444,12 +444,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return exc if isinstance(exc, BaseException) else ReplayError(str(text)[:200])
 
     def _roll_back(self, ledger: KeyLedger, run_id: str, token: str, exc: BaseException,
-                   args: tuple[Any, ...], kwargs: dict[str, Any], *, final: bool) -> str | None:
-        """Run ``rollback`` at most once per (key, token); returns the outcome label."""
+                   args: tuple[Any, ...], kwargs: dict[str, Any], *, final: bool,
+                   wait_s: float | None = None) -> str | None:
+        """Run ``rollback`` at most once per (key, token); returns the outcome label.
+
+        ``wait_s`` bounds the wait for another run holding the token's rollback lock (default:
+        ``_rollback_wait_bound_s``)."""
         if not self._has_rollback():
             return None
         failure = self._failure_json(exc)
-        status, final = self._rollback_lock(ledger, run_id, token, failure, final)
+        bound_s = self._rollback_wait_bound_s(ledger) if wait_s is None else wait_s
+        status, final = self._rollback_lock(ledger, run_id, token, failure, final, bound_s)
         if status == "done":
             return ROLLED_BACK
         if status == "failed":
@@ -501,14 +506,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return backoff + 2 * ledger.heartbeat_ttl_ms / 1000.0
 
     def _rollback_lock(self, ledger: KeyLedger, run_id: str, token: str, failure: str,
-                       final: bool) -> tuple[str, bool]:
+                       final: bool, bound_s: float) -> tuple[str, bool]:
         """Take the rollback lock of ``token``, waiting (bounded) while another run holds it.
 
         Returns the ledger's answer (``go``, ``done``, ``failed``; ``wait`` once the bound
         passed with the other run still holding the lock) and whether the rollback is still
         the final-failure one (a fenced run rolls back its own effects only).
         """
-        deadline = _boottime() + self._rollback_wait_bound_s(ledger)
+        deadline = _boottime() + bound_s
         waited = False
         poll = min(0.2, ledger.heartbeat_ttl_ms / 3000.0)
         while True:
@@ -522,8 +527,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 if status == "wait":
                     logger.warning("task %s: the rollback of token %s is still running in "
                                    "another run after %.1fs; not running it here",
-                                   self.request.id, token or "(none)",
-                                   self._rollback_wait_bound_s(ledger))
+                                   self.request.id, token or "(none)", bound_s)
                 return status, final
             if not waited:
                 logger.info("task %s: the rollback of token %s is running in another run; "
@@ -564,8 +568,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 outcome = _outcome_label(decision.rollback_status) or decision.extra or None
             else:
                 rb_token = decision.rollback_token if decision.kind == "rollback" else tok
+                # The worker's consumer runs this: it does not wait for another run's
+                # rollback of the token (that run records the outcome; here it is PENDING).
                 outcome = self._roll_back(ledger, run_id, rb_token, exc, args, kwargs,
-                                          final=True)
+                                          final=True, wait_s=0.0)
         finally:
             self.pop_request()
         request = Context(id=task_id, task=self.name, args=args, kwargs=kwargs,

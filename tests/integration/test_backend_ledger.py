@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -17,6 +18,7 @@ from celery_crawl.backends.ledger import KeyLedger
 from celery_crawl.errors import ConfigError
 from celery_crawl.tasks import (
     DEADLINE_HEADER,
+    ROLLBACK_PENDING,
     ROLLED_BACK,
     IdempotentTask,
     deadline_headers,
@@ -285,3 +287,29 @@ def test_two_callers_in_the_pending_window_roll_back_once(app) -> None:
     second.join(30)
     assert outcomes == {"run-a": ROLLED_BACK, "run-b": ROLLED_BACK}
     assert calls == [ids["run-a"]]
+
+
+def test_the_poison_hook_does_not_run_or_wait_for_a_rollback_held_elsewhere(app) -> None:
+    calls: list[str] = []
+
+    class Undo(IdempotentTask):  # type: ignore[misc]
+        name = f"undo-{uuid.uuid4().hex[:6]}"
+        idempotency_heartbeat_ttl_s = 30.0
+
+        def run(self) -> None:
+            return None
+
+        def rollback(self, exc: BaseException, task_id: str, args: Any, kwargs: Any) -> None:
+            calls.append(task_id)
+
+    task = app.register_task(Undo())
+    app.backend.client.set(app.backend.token_counter_key, 10**6)  # token 5 counts as issued
+    tid = ids["t1"]
+    led = KeyLedger(app.backend, app.backend.crawl_config.namespace, tid, 30.0)
+    assert led.begin(tid, "5", "run-a").kind == "run"
+    assert led.rollback_begin("run-a", "5", final=False, failure="{}") == "go"  # run-a rolls back
+    t0 = time.monotonic()
+    outcome = task.crawl_on_poison(tid, (), {}, "delivered 5 times", token=5, hostname="w")
+    assert outcome == ROLLBACK_PENDING and calls == []
+    assert time.monotonic() - t0 < 5, "the consumer must not wait for run-a's rollback"
+    assert app.backend.get_task_meta(tid, cache=False)["status"] == states.FAILURE
