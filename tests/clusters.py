@@ -167,6 +167,33 @@ class RedisCluster3:
                 return next(n for n in self.nodes if n.port == port)
         raise AssertionError(f"no master owns slot {slot}")
 
+    def move_slot_of(self, key: str) -> RedisServer:
+        """Move ``key``'s slot, with its keys, to another master (what a resharding does, slot
+        by slot: IMPORTING/MIGRATING, MIGRATE, SETSLOT NODE on every master); returns the new
+        owner. Clients that knew the old owner get ``MOVED``."""
+        old = self.owner(key)
+        new = next(n for n in self.nodes if n is not old)
+        src, dst = old.client(), new.client()
+        slot = int(src.execute_command("CLUSTER", "KEYSLOT", key))
+        src_id = src.execute_command("CLUSTER", "MYID").decode()
+        dst_id = dst.execute_command("CLUSTER", "MYID").decode()
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            src.execute_command("MIGRATE", "127.0.0.1", new.port, "", 0, 5000, "KEYS", *keys)
+        for n in self.nodes:
+            n.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        wait_until(lambda: all(self._owner_seen_by(n, slot) == new.port for n in self.nodes), 30,
+                   what=f"every master to agree slot {slot} moved")
+        return new
+
+    @staticmethod
+    def _owner_seen_by(node: RedisServer, slot: int) -> int | None:
+        for first, last, master, *_ in node.client().execute_command("CLUSTER", "SLOTS"):
+            if int(first) <= slot <= int(last):
+                return int(master[1])
+        return None
+
     def cleanup(self) -> None:
         for n in self.nodes:
             n.cleanup()
