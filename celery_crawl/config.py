@@ -13,9 +13,12 @@ from .errors import ConfigError
 
 __all__ = ["DEFAULTS", "LEASE_SCHEMES", "CrawlConfig", "mask_url", "plain_redis_url"]
 
-LEASE_SCHEMES = ("redis", "rediss", "etcd", "etcd+https", "etcd+http")
+LEASE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "etcd", "etcd+https",
+                 "etcd+http")
 _REDIS_BACKEND_SCHEMES = {"redis": "redis", "rediss": "rediss", "crawlredis": "redis",
-                          "crawlrediss": "rediss"}
+                          "crawlrediss": "rediss",
+                          # crawlredis+cluster://: Celery hands the backend "cluster://..."
+                          "cluster": "redis+cluster"}
 
 #: Defaults, in one place (DESIGN.md "Settings").
 DEFAULTS: dict[str, Any] = {

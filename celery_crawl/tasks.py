@@ -13,7 +13,10 @@ the result backend's Redis (``celery_crawl.backends.ledger``), which must be
 Rollback: ``rollback(self, exc, task_id, args, kwargs)`` completes at most once per
 (key, claim token), after a final failure (not on retries), when the run was fenced (a newer
 run took the key over while this one was frozen), or, for a run that died unfinished, by the
-run that takes its key over, before that run starts (``exc`` is ``AbandonedRun``). A failing
+run that takes its key over, before that run starts (``exc`` is ``AbandonedRun``). One run at a
+time rolls a token back: it holds the token's rollback lock (expiring a heartbeat TTL after its
+last extension, so a dead holder releases it); a second caller waits for the outcome, bounded
+by ``rollback_wait_s``, and reports ``ROLLBACK_PENDING`` if the holder is still at it. A failing
 rollback is retried with backoff in process; a killed one is finished by the next delivery of
 the task. Rollbacks must therefore be idempotent. The outcome (``ROLLED_BACK`` /
 ``ROLLBACK_FAILED``) is stored in the result meta (``crawl_rollback``) and in the audit record.
@@ -58,6 +61,7 @@ __all__ = [
     "DEADLINE_HEADER",
     "IDEMPOTENCY_HEADER",
     "ROLLBACK_FAILED",
+    "ROLLBACK_PENDING",
     "ROLLED_BACK",
     "IdempotentTask",
     "current_deadline",
@@ -75,6 +79,9 @@ IDEMPOTENCY_HEADER = "idempotency_key"
 #: Rollback outcomes, as stored in the result meta (``crawl_rollback``) and the audit stream.
 ROLLED_BACK = "ROLLED_BACK"
 ROLLBACK_FAILED = "ROLLBACK_FAILED"
+#: Another run still held the token's rollback lock when this one stopped waiting for it; that
+#: run records the outcome in the key's ledger.
+ROLLBACK_PENDING = "ROLLBACK_PENDING"
 
 #: Fraction of the time left given to a subtask's soft time limit (the hard one gets all of it).
 _SOFT_FRACTION = 0.9
@@ -211,6 +218,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         rollback_max_attempts: in-process attempts of a failing rollback.
         rollback_backoff_s: first backoff between attempts (doubling, capped).
         rollback_backoff_max_s: cap of the backoff.
+        rollback_wait_s: how long a run waits for another run's rollback of the same token
+            (default: that run's whole backoff budget plus two heartbeat TTLs).
     """
 
     idempotency_heartbeat_ttl_s: float | None = None
@@ -218,6 +227,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     rollback_max_attempts: int = 5
     rollback_backoff_s: float = 0.5
     rollback_backoff_max_s: float = 10.0
+    rollback_wait_s: float | None = None
 
     # -- hooks ----------------------------------------------------------------------------------
     def idempotency_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -362,6 +372,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             logger.warning("task %s: took idempotency key %r over from a run (claim token %s) "
                            "that died unfinished; its rollback: %s", request.id, ledger.key,
                            dead or "(none)", outcome)
+            if outcome == ROLLBACK_PENDING:
+                # Another run still rolls these effects back: come back once it is done (the
+                # key's record keeps the token owed until then).
+                raise self.retry(countdown=ledger.heartbeat_ttl_ms / 1000.0,
+                                 max_retries=math.inf)
             if outcome == ROLLBACK_FAILED:
                 request.crawl_rollback = outcome
                 raise RollbackFailed(
@@ -429,25 +444,39 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return exc if isinstance(exc, BaseException) else ReplayError(str(text)[:200])
 
     def _roll_back(self, ledger: KeyLedger, run_id: str, token: str, exc: BaseException,
-                   args: tuple[Any, ...], kwargs: dict[str, Any], *, final: bool) -> str | None:
-        """Run ``rollback`` at most once per (key, token); returns the outcome label."""
+                   args: tuple[Any, ...], kwargs: dict[str, Any], *, final: bool,
+                   wait_s: float | None = None) -> str | None:
+        """Run ``rollback`` at most once per (key, token); returns the outcome label.
+
+        ``wait_s`` bounds the wait for another run holding the token's rollback lock (default:
+        ``_rollback_wait_bound_s``)."""
         if not self._has_rollback():
             return None
         failure = self._failure_json(exc)
-        status = ledger.rollback_begin(run_id, token, final=final, failure=failure)
-        if status == "fenced":  # no longer the owner: roll back our own effects only
-            final = False
-            status = ledger.rollback_begin(run_id, token, final=False, failure=failure)
+        bound_s = self._rollback_wait_bound_s(ledger) if wait_s is None else wait_s
+        status, final = self._rollback_lock(ledger, run_id, token, failure, final, bound_s)
         if status == "done":
             return ROLLED_BACK
+        if status == "failed":
+            return ROLLBACK_FAILED
+        if status == "wait":
+            return ROLLBACK_PENDING
         delay = self.rollback_backoff_s
         task_id = str(self.request.id)
         # Which run's effects to undo: this run's own, or a dead run's (takeover, or a
         # final-failure rollback it left pending). A rollback that can tell its writes apart
         # by token undoes only those.
         self.request.crawl_rollback_token = parse_token(token) if token else None
+        lock = Heartbeat(ledger, run_id, beat=lambda: ledger.rollback_touch(run_id, token))
+        lock.start()
         try:
             for attempt in range(1, max(1, self.rollback_max_attempts) + 1):
+                if attempt > 1 and (lock.fenced or not ledger.rollback_touch(run_id, token)):
+                    # Frozen past the lock's expiry: another run took the rollback over.
+                    logger.warning("task %s: lost the rollback lock of token %s; the run "
+                                   "that took it over finishes the rollback", task_id,
+                                   token or "(none)")
+                    return ROLLBACK_PENDING
                 try:
                     self.rollback(exc, task_id, args, kwargs)
                 except Exception:
@@ -461,7 +490,50 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ledger.rollback_end(run_id, token, final=final, status="failed")
             return ROLLBACK_FAILED
         finally:
+            lock.stop()
             self.request.crawl_rollback_token = None  # the body after a takeover must not see it
+
+    def _rollback_wait_bound_s(self, ledger: KeyLedger) -> float:
+        """How long a caller waits for another run's rollback of the same token: what that
+        run may spend on it in process (every attempt's backoff) plus two lock TTLs (a holder
+        that died is taken over once its lock expires)."""
+        if self.rollback_wait_s is not None:
+            return float(self.rollback_wait_s)
+        backoff, delay = 0.0, self.rollback_backoff_s
+        for _ in range(max(1, self.rollback_max_attempts) - 1):
+            backoff += delay
+            delay = min(delay * 2, self.rollback_backoff_max_s)
+        return backoff + 2 * ledger.heartbeat_ttl_ms / 1000.0
+
+    def _rollback_lock(self, ledger: KeyLedger, run_id: str, token: str, failure: str,
+                       final: bool, bound_s: float) -> tuple[str, bool]:
+        """Take the rollback lock of ``token``, waiting (bounded) while another run holds it.
+
+        Returns the ledger's answer (``go``, ``done``, ``failed``; ``wait`` once the bound
+        passed with the other run still holding the lock) and whether the rollback is still
+        the final-failure one (a fenced run rolls back its own effects only).
+        """
+        deadline = _boottime() + bound_s
+        waited = False
+        poll = min(0.2, ledger.heartbeat_ttl_ms / 3000.0)
+        while True:
+            status = ledger.rollback_begin(run_id, token, final=final, failure=failure,
+                                           waited=waited)
+            if status == "fenced":  # no longer the owner: roll back our own effects only
+                final = False
+                continue
+            left = deadline - _boottime()
+            if status != "wait" or left <= 0:
+                if status == "wait":
+                    logger.warning("task %s: the rollback of token %s is still running in "
+                                   "another run after %.1fs; not running it here",
+                                   self.request.id, token or "(none)", bound_s)
+                return status, final
+            if not waited:
+                logger.info("task %s: the rollback of token %s is running in another run; "
+                            "waiting for its outcome", self.request.id, token or "(none)")
+            waited = True
+            time.sleep(min(poll, left))
 
     # -- the worker plugin's poison hook ----------------------------------------------------------
     def crawl_on_poison(self, task_id: str, args: Any, kwargs: Any, reason: str, *,
@@ -496,8 +568,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 outcome = _outcome_label(decision.rollback_status) or decision.extra or None
             else:
                 rb_token = decision.rollback_token if decision.kind == "rollback" else tok
+                # The worker's consumer runs this: it does not wait for another run's
+                # rollback of the token (that run records the outcome; here it is PENDING).
                 outcome = self._roll_back(ledger, run_id, rb_token, exc, args, kwargs,
-                                          final=True)
+                                          final=True, wait_s=0.0)
         finally:
             self.pop_request()
         request = Context(id=task_id, task=self.name, args=args, kwargs=kwargs,

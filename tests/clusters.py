@@ -1,4 +1,5 @@
-"""Replicated stores on loopback for failover tests: a Redis primary + replica, a 3-member etcd.
+"""Replicated stores on loopback: a Redis primary + replica, a 3-master Redis Cluster, a
+3-member etcd.
 
 Both are real servers started from ``tests.servers``; faults are real (``kill -9`` of a member,
 ``REPLICAOF NO ONE`` on a replica while its primary still runs).
@@ -20,13 +21,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import RedisServer, _kill_group, _tmp_root, etcd_binary, free_port, wait_until
+from tests.servers import (
+    RedisServer,
+    _kill_group,
+    _tmp_root,
+    etcd_binary,
+    free_cluster_port,
+    free_port,
+    missing_tool,
+    wait_until,
+)
 
 __all__ = [
     "EtcdCluster",
     "EtcdMember",
+    "RedisCluster3",
     "RedisReplicaPair",
     "etcd_cluster",
+    "redis_cluster",
     "redis_replica_pair",
 ]
 
@@ -102,6 +114,106 @@ def redis_replica_pair() -> Iterator[RedisReplicaPair]:
     """A fresh Redis primary with one synced replica, for one test."""
     with running_replica_pair() as pair:
         yield pair
+
+
+# -- Redis Cluster: three masters -------------------------------------------------------------
+class RedisCluster3:
+    """Three ``--cluster-enabled`` masters on loopback, joined by ``redis-cli --cluster create``
+    (16384 slots split three ways, no replicas). ``url`` is a ``redis+cluster://`` URL naming the
+    first node; the others are found through ``CLUSTER SLOTS``."""
+
+    def __init__(self) -> None:
+        self.base = Path(tempfile.mkdtemp(prefix="crawl-rcluster-", dir=_tmp_root()))
+        self.nodes: list[RedisServer] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> RedisCluster3:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            missing_tool("redis-cli not found (apt-get install redis-tools)")
+        for i in range(3):
+            node_dir = self.base / f"n{i}"
+            node_dir.mkdir()
+            node = RedisServer(port=free_cluster_port(), base_dir=str(node_dir), extra=[
+                "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
+                "--cluster-node-timeout", "5000"])
+            self.nodes.append(node.start())
+        out = subprocess.run(
+            [str(cli), "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, timeout=60, check=False)
+        assert out.returncode == 0, f"redis-cli --cluster create failed: {out.stdout!r}"
+
+        def ready() -> bool:
+            for n in self.nodes:
+                info = n.client().execute_command("CLUSTER", "INFO")
+                text = info.decode() if isinstance(info, bytes) else str(info)
+                if "cluster_state:ok" not in text or "cluster_known_nodes:3" not in text:
+                    return False
+            return True
+
+        wait_until(ready, 60, what="the Redis Cluster to agree on its 3 masters")
+        return self
+
+    def owner(self, key: str) -> RedisServer:
+        """The master holding ``key``'s slot."""
+        slot = int(self.nodes[0].client().execute_command("CLUSTER", "KEYSLOT", key))
+        for first, last, master, *_ in self.nodes[0].client().execute_command("CLUSTER", "SLOTS"):
+            if int(first) <= slot <= int(last):
+                port = int(master[1])
+                return next(n for n in self.nodes if n.port == port)
+        raise AssertionError(f"no master owns slot {slot}")
+
+    def move_slot_of(self, key: str) -> RedisServer:
+        """Move ``key``'s slot, with its keys, to another master (what a resharding does, slot
+        by slot: IMPORTING/MIGRATING, MIGRATE, SETSLOT NODE on every master); returns the new
+        owner. Clients that knew the old owner get ``MOVED``."""
+        old = self.owner(key)
+        new = next(n for n in self.nodes if n is not old)
+        src, dst = old.client(), new.client()
+        slot = int(src.execute_command("CLUSTER", "KEYSLOT", key))
+        src_id = src.execute_command("CLUSTER", "MYID").decode()
+        dst_id = dst.execute_command("CLUSTER", "MYID").decode()
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            src.execute_command("MIGRATE", "127.0.0.1", new.port, "", 0, 5000, "KEYS", *keys)
+        for n in self.nodes:
+            n.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        wait_until(lambda: all(self._owner_seen_by(n, slot) == new.port for n in self.nodes), 30,
+                   what=f"every master to agree slot {slot} moved")
+        return new
+
+    @staticmethod
+    def _owner_seen_by(node: RedisServer, slot: int) -> int | None:
+        for first, last, master, *_ in node.client().execute_command("CLUSTER", "SLOTS"):
+            if int(first) <= slot <= int(last):
+                return int(master[1])
+        return None
+
+    def cleanup(self) -> None:
+        for n in self.nodes:
+            n.cleanup()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_redis_cluster() -> Iterator[RedisCluster3]:
+    cluster = RedisCluster3()
+    try:
+        yield cluster.start()
+    finally:
+        cluster.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster3]:
+    """One 3-master Redis Cluster for the session (tests use unique namespaces)."""
+    with running_redis_cluster() as cluster:
+        yield cluster
 
 
 # -- etcd: three members ----------------------------------------------------------------------

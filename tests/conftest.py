@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.clusters import redis_cluster
 from tests.servers import (
     EtcdServer,
     RedisServer,
@@ -15,6 +16,10 @@ from tests.servers import (
     etcd_binary,
     make_rabbit_vhost,
 )
+
+#: Fixtures defined elsewhere, registered here once: a session fixture imported into several
+#: test modules would be set up once per module (one 3-master Redis Cluster each).
+__all__ = ["redis_cluster"]
 
 settings.register_profile(
     "ci", deadline=None, database=None, derandomize=True, max_examples=200,

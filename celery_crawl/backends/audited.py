@@ -88,7 +88,7 @@ logger = logging.getLogger(__name__)
 #: Outcomes recorded in the audit stream.
 OUTCOMES = ("written", "refused-stale", "refused-regression", "refused-unissued", "forgotten")
 
-_SCHEMES = {"crawlredis": "redis", "crawlrediss": "rediss"}
+_SCHEMES = {"crawlredis": "redis", "crawlrediss": "rediss", "cluster": "redis"}
 _FENCE_PREFIX = "crawl-fence-"
 _IDEM_PREFIX = "crawl-idem:"
 _FORGOTTEN = "FORGOTTEN"
@@ -115,12 +115,12 @@ def _script(name: str) -> str:
     return resources.files(__package__).joinpath(name).read_text()
 
 
-def _token_counter_key(namespace: str) -> str:
+def _token_counter_key(namespace: str, cluster: bool) -> str:
     try:
         from ..leases.redis import token_counter_key
     except ImportError:  # the Redis lease driver is optional for a results-only deployment
-        return f"{namespace}:token"
-    return token_counter_key(namespace)
+        return f"{{{namespace}}}:token" if cluster else f"{namespace}:token"
+    return token_counter_key(namespace, cluster=cluster)
 
 
 #: Claim tokens are compared in Lua, as doubles: beyond 2**53 they would lose precision.
@@ -226,6 +226,13 @@ class AuditedRedisBackend(RedisBackend):
         crawlredis://[user:password@]host[:port][/db]
         crawlrediss://[user:password@]host[:port][/db]?ssl_cert_reqs=required&ssl_ca_certs=...
         celery_crawl.backends:AuditedRedisBackend+redis://host:port/db   (or +rediss://)
+        crawlredis+cluster://[user:password@]host[:port]   (one node of a Redis Cluster)
+
+    On a Redis Cluster every key of the backend (results, group and chord keys, fence and
+    idempotency records, the audit stream) starts with the hash tag ``{namespace}:`` — the lease
+    store's tag — so every script's keys, and the token counter it checks, share one slot; the
+    backend talks to the master owning that slot (found with ``CLUSTER SLOTS``; again after a
+    ``MOVED`` reply, which fails that one call as ``StoreUnavailable``).
 
     ``crawlrediss`` is mapped to TLS explicitly: Celery switches TLS on only for ``rediss``.
     Everything else (groups, chords, ``result_extended``, ``global_keyprefix``, ``get()``,
@@ -260,23 +267,62 @@ class AuditedRedisBackend(RedisBackend):
         prefix = options.get("global_keyprefix") or ""
         if prefix and prefix[-1] not in ":_-.":
             prefix += "_"
-        self.crawl_keyprefix: str = prefix
         namespace = self.crawl_config.namespace
+        if self.crawl_cluster:
+            tag = f"{{{namespace}}}:"
+            prefix = tag + prefix
+            for attr in ("task_keyprefix", "group_keyprefix", "chord_keyprefix"):
+                setattr(self, attr, self.key_t(tag) + getattr(self, attr))
+        self.crawl_keyprefix: str = prefix
         self.audit_key: str = audit_stream_key(prefix, namespace)
-        self.token_counter_key: str = _token_counter_key(namespace)
+        self.token_counter_key: str = _token_counter_key(namespace, self.crawl_cluster)
         self.checks_token_issuance: bool = self._lease_store_is_here()
+        #: The highest value of the lease store's token counter read so far (it only grows).
+        self._issued_floor = 0
 
     # -- URL ------------------------------------------------------------------------------------
+    #: ``crawlredis+cluster://`` (Celery passes the URL on as ``cluster://``).
+    crawl_cluster = False
+
     def _params_from_url(self, url: str, defaults: dict[str, Any]) -> dict[str, Any]:
         scheme, sep, rest = url.partition("://")
+        if scheme == "cluster":
+            configured = str(self.app.conf.get("result_backend") or "")
+            if not configured.startswith("crawlredis+cluster://"):
+                # Celery splits "X+cluster://" into a backend name and "cluster://": a TLS
+                # scheme (crawlrediss+cluster) would arrive here as plain text.
+                raise ConfigError(
+                    f"result_backend: {mask_url(configured)!r}: only crawlredis+cluster:// "
+                    "names a Redis Cluster (TLS to a cluster is not supported by the backend)")
+            self.crawl_cluster = True
         mapped = _SCHEMES.get(scheme)
         if mapped is not None:
             url = f"{mapped}{sep}{rest}"
         params: dict[str, Any] = super()._params_from_url(url, defaults)
         return params
 
+    def _create_client(self, **params: Any) -> Any:
+        """Celery's client; on a cluster, of the master owning the namespace's slot."""
+        if not self.crawl_cluster:
+            return super()._create_client(**params)
+        from redis.crc import key_slot
+
+        slot = key_slot(self.token_counter_key.encode())
+        seed = super()._create_client(**params)
+        try:
+            ranges = seed.execute_command("CLUSTER", "SLOTS")
+        finally:
+            seed.connection_pool.disconnect()
+        for first, last, master, *_ in ranges or ():
+            if int(first) <= slot <= int(last):
+                host = bytes_to_str(master[0]) or params.get("host")
+                return super()._create_client(**{**params, "host": host, "port": int(master[1])})
+        raise redis_errors.ConnectionError(f"no cluster master serves slot {slot}")
+
     def _lease_store_is_here(self) -> bool:
         url = self.crawl_config.lease_url
+        if self.crawl_cluster and url.startswith("redis+cluster://"):
+            url = "redis://" + url.split("://", 1)[1]
         if not url.startswith(("redis://", "rediss://")):
             return False
         params = self.connparams
@@ -303,6 +349,15 @@ class AuditedRedisBackend(RedisBackend):
     def store_error(self, exc: BaseException, what: str = "") -> StoreError:
         """The ``StoreError`` for a redis-py (or socket) error ``exc``, naming the masked URL."""
         where = f"result backend {self.safe_url}" + (f": {what}" if what else "")
+        redirected = isinstance(exc, redis_errors.AskError | redis_errors.ClusterDownError
+                                | redis_errors.TryAgainError)  # MovedError is an AskError
+        if not self.crawl_cluster and (
+                redirected or isinstance(exc, redis_errors.ClusterCrossSlotError)):
+            return StoreError(f"{where}: the server is a Redis Cluster node; name it with "
+                              f"crawlredis+cluster:// ({exc})")
+        if redirected:
+            self.__dict__.pop("client", None)  # the next call finds the slot's master again
+            return StoreUnavailable(f"{where}: the cluster moved the slot or is down: {exc}")
         reason = refusal_reason(exc)
         if reason == "permission denied":
             return StoreError(f"{where}: {reason}: {exc}")
@@ -558,7 +613,15 @@ class AuditedRedisBackend(RedisBackend):
         return str(bytes_to_str(reply[0]))
 
     def _run_store(self, keys: list[str], args: list[Any]) -> Any:
-        return self._store_script(keys=keys, args=args, client=self.client)
+        token = args[3]
+        if args[9] == "1" and token and not int(token) <= self._issued_floor:
+            # The script must not read the counter (an undeclared key; see store.lua): it is
+            # read here first. Tokens at or below a counter value seen before need no read.
+            raw = self.client.get(args[11])
+            if raw is not None and bytes_to_str(raw).isdigit():
+                self._issued_floor = max(self._issued_floor, int(bytes_to_str(raw)))
+        return self._store_script(keys=keys, args=[*args[:11], str(self._issued_floor)],
+                                  client=self.client)
 
     def _forget(self, task_id: str) -> None:
         # Forgetting is recorded, so that `audit verify` expects the result to be gone.

@@ -1,6 +1,7 @@
 -- Decide whether a run of an idempotency key may start, atomically taking the key when it may.
 --
--- KEYS: 1 the key's record (hash)
+-- KEYS: 1 the key's record (hash), 2 the fence record of this task, 3 the fence record of the
+--       task the key's record belongs to, as far as the caller knows (by default this task's)
 -- ARGV: 1 task id, 2 claim token ('' = none), 3 run id (unique per run), 4 heartbeat TTL (ms),
 --       5 record expiry (s, 0 = none), 6 prefix of fence records (+ task id),
 --       7 force ('1': treat a live owner as dead; for a poisoned task the worker gave up on)
@@ -17,6 +18,9 @@
 --   finished-rb    the owning task failed and rolled back (extra: fin) but may not have stored it
 --   duplicate      this same task id is running elsewhere
 --   busy           another task holds this key and is alive
+--   need           (extra: that task id) the record belongs to a task whose fence record was not
+--                  passed as KEYS[3]; nothing was written, the caller passes it and asks again
+--                  (every key a script touches is declared: Redis Cluster routes by them)
 local ekey = KEYS[1]
 local task, token, owner = ARGV[1], ARGV[2], ARGV[3]
 local hb_ms, keep_s, fprefix = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
@@ -30,7 +34,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function raise_floor()
   local n = tonumber(token)
   if not n then return end
-  local fkey = fprefix .. task
+  local fkey = KEYS[2]
   local cur = tonumber(redis.call('HGET', fkey, 'token') or '')
   if cur and cur >= n then return end
   redis.call('HSET', fkey, 'token', token)
@@ -48,12 +52,16 @@ local e = redis.call('HMGET', ekey, 'task', 'token', 'owner', 'hb', 'rbp', 'exc'
 if not e[1] then return take('run', '') end
 local etask, etoken, ehb = e[1], e[2] or '', tonumber(e[4] or '0')
 local rbp, exc, fin = e[5], e[6] or '', e[7]
+local efence = nil
+if fprefix .. etask == KEYS[2] then efence = KEYS[2]
+elseif fprefix .. etask == KEYS[3] then efence = KEYS[3]
+else return {'need', etask, ''} end
 
 if fin then
-  if redis.call('HGET', fprefix .. etask, 'ready') == '1' then return {'finished', etask, fin} end
+  if redis.call('HGET', efence, 'ready') == '1' then return {'finished', etask, fin} end
   return {'finished-rb', etask, fin, exc}
 end
-if redis.call('HGET', fprefix .. etask, 'ready') == '1' and not rbp then
+if redis.call('HGET', efence, 'ready') == '1' and not rbp then
   return {'finished', etask, ''}
 end
 

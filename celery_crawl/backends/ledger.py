@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kombu.utils.encoding import bytes_to_str
+
+from ..errors import StoreError
 
 if TYPE_CHECKING:
     from .audited import AuditedRedisBackend
 
 __all__ = ["Decision", "Heartbeat", "KeyLedger"]
+
+#: Attempts of ``begin`` when the key's owner changes between the script's replies.
+_BEGIN_ATTEMPTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,16 +74,29 @@ class KeyLedger:
             # The record must outlive a run that is still heart-beating.
             self.keep_s = max(self.keep_s, int(heartbeat_ttl_s * 3) + 1)
 
-    def _call(self, script: Any, args: list[Any]) -> Any:
+    def _call(self, script: Any, args: list[Any], extra_keys: tuple[str, ...] = ()) -> Any:
+        keys = [self.record_key, *extra_keys]
         return self.backend.ensure(
-            lambda: script(keys=[self.record_key], args=args, client=self.backend.client), ())
+            lambda: script(keys=keys, args=args, client=self.backend.client), ())
 
     def begin(self, task_id: str, token: str, run_id: str, *, force: bool = False) -> Decision:
-        """Decide whether this run may start; takes the key when it may (``run``/``rollback``)."""
-        reply = self._call(self.backend.idem_begin_script, [
-            task_id, token, run_id, self.heartbeat_ttl_ms, self.keep_s,
-            self.backend.fence_prefix, "1" if force else "0",
-        ])
+        """Decide whether this run may start; takes the key when it may (``run``/``rollback``).
+
+        The fence record of the task owning the key is passed as a declared key: guessed to be
+        this task's, and, when the script answers ``need`` (nothing written), passed as named.
+        """
+        args = [task_id, token, run_id, self.heartbeat_ttl_ms, self.keep_s,
+                self.backend.fence_prefix, "1" if force else "0"]
+        own = self.backend.fence_key(task_id)
+        owner_fence = own
+        for _ in range(_BEGIN_ATTEMPTS):
+            reply = self._call(self.backend.idem_begin_script, args, (own, owner_fence))
+            if bytes_to_str(reply[0]) != "need":
+                break
+            owner_fence = self.backend.fence_key(bytes_to_str(reply[1]))
+        else:
+            raise StoreError(f"idempotency key {self.key!r} kept changing owner while it was "
+                             f"read ({_BEGIN_ATTEMPTS} attempts)")
         parts = [bytes_to_str(p) for p in reply] + ["", "", ""]
         kind, owner_task = parts[0], parts[1]
         if kind == "rollback":
@@ -99,15 +118,27 @@ class KeyLedger:
         return bool(self._call(self.backend.idem_update_script,
                                ["release", run_id, self.heartbeat_ttl_ms]))
 
-    def rollback_begin(self, run_id: str, token: str, *, final: bool, failure: str) -> str:
-        """Mark the rollback for ``token`` pending.
+    def rollback_begin(self, run_id: str, token: str, *, final: bool, failure: str,
+                       waited: bool = False) -> str:
+        """Take the rollback lock of ``token`` (marks the rollback pending).
+
+        The lock expires a heartbeat TTL after it was taken or last extended
+        (``rollback_touch``), so a holder that died releases it without anyone's help.
 
         Returns:
-            ``go``; ``done`` when it already completed for this (key, token); ``fenced`` when a
-            final-failure rollback is asked by a run that no longer owns the key.
+            ``go`` (this run holds the lock); ``done`` when the rollback already completed for
+            this (key, token); ``wait`` while another run holds the lock; ``failed`` when
+            ``waited`` and the run waited for gave up; ``fenced`` when a final-failure rollback
+            is asked by a run that no longer owns the key.
         """
         return str(bytes_to_str(self._call(self.backend.idem_update_script, [
-            "rb_begin", run_id, self.heartbeat_ttl_ms, token, "1" if final else "0", failure])))
+            "rb_begin", run_id, self.heartbeat_ttl_ms, token, "1" if final else "0", failure,
+            "1" if waited else "0"])))
+
+    def rollback_touch(self, run_id: str, token: str) -> bool:
+        """Extend this run's rollback lock of ``token``; False when it lost the lock."""
+        return bool(self._call(self.backend.idem_update_script,
+                               ["rb_touch", run_id, self.heartbeat_ttl_ms, token]))
 
     def rollback_end(self, run_id: str, token: str, *, final: bool, status: str) -> None:
         """Record the rollback outcome for ``token`` (``done`` or ``failed``)."""
@@ -121,15 +152,20 @@ class KeyLedger:
 
 
 class Heartbeat:
-    """Keeps a run's ownership of its key alive from a daemon thread (every ttl/3).
+    """Keeps a run's ownership of its key (or its rollback lock) alive from a daemon thread
+    (every ttl/3).
 
     A run that stops beating (killed, frozen) loses the key once the TTL passes; the next
-    delivery then takes it over, and the frozen run finds itself fenced when it resumes.
+    delivery then takes it over, and the frozen run finds itself fenced when it resumes. A
+    rollback lock lapses the same way, and the run waiting for it takes it over.
     """
 
-    def __init__(self, ledger: KeyLedger, run_id: str) -> None:
+    def __init__(self, ledger: KeyLedger, run_id: str,
+                 beat: Callable[[], bool] | None = None) -> None:
         self._ledger = ledger
         self._run_id = run_id
+        # What one beat extends: the key's ownership by default, or a rollback lock.
+        self._beat = beat or (lambda: ledger.touch(run_id))
         self._stop = threading.Event()
         self.fenced = False
         self._thread = threading.Thread(target=self._loop, name="crawl-idem-heartbeat",
@@ -143,7 +179,7 @@ class Heartbeat:
         interval = self._ledger.heartbeat_ttl_ms / 3000.0
         while not self._stop.wait(interval):
             try:
-                if not self._ledger.touch(self._run_id):
+                if not self._beat():
                     self.fenced = True
                     return
             except Exception:  # a transient Redis error: the next beat retries

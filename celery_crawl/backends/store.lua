@@ -4,12 +4,16 @@
 -- KEYS: 1 result key, 2 fence record (hash), 3 audit stream
 -- ARGV: 1 encoded meta, 2 state, 3 ready ('1' | '0'), 4 claim token ('' = none), 5 digest,
 --       6 expiry seconds (0 = none), 7 stream MAXLEN (approximate), 8 worker, 9 rollback outcome,
---       10 check token issuance ('1' | '0'), 11 task id, 12 lease store's token counter key
--- The counter is an argument, not a declared key: Redis's ACL treats every declared key of a
--- script as read-write, while the GET below needs only read access, so the backend's user can
--- be kept from writing (forging) the counter (%R~ in docs/security.md).
+--       10 check token issuance ('1' | '0'), 11 task id, 12 the lease store's token counter as
+--       the caller read it (a GET before this script when the token is above every value it
+--       read before; '0' = never read or missing)
+-- The counter is read by the caller, not here: every key a script touches must be declared
+-- (Redis Cluster routes by them), and Redis's ACL treats every declared key as read-write,
+-- while the backend's user should only read the counter, so that it cannot forge it (%R~ in
+-- docs/security.md). The counter only grows, so a value read before this write bounds the
+-- tokens issued so far from below: a token above it was not issued when it was read.
 -- Returns {outcome, replayed (1 when this exact attempt was answered before)}.
-local rkey, fkey, skey, ckey = KEYS[1], KEYS[2], KEYS[3], ARGV[12]
+local rkey, fkey, skey, counter = KEYS[1], KEYS[2], KEYS[3], ARGV[12]
 local value, state, ready, token, digest = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local expires, maxlen = tonumber(ARGV[6]), ARGV[7]
 local worker, rollback, check, task = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
@@ -49,7 +53,7 @@ if cur_token and cur_token ~= '' then ctoken = tonumber(cur_token) end
 
 local outcome = 'written'
 if check == '1' and ntoken then
-  local issued = tonumber(redis.call('GET', ckey) or '')
+  local issued = tonumber(counter)
   if not issued or ntoken > issued then outcome = 'refused-unissued' end
 end
 if outcome == 'written' then

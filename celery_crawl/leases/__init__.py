@@ -75,7 +75,7 @@ def open_store(url: str, *, namespace: str, timeout_s: float = 2.0,
             f"crawl_lease_url: unknown scheme {scheme!r} in {mask_url(url)!r} "
             f"(use one of {', '.join(LEASE_SCHEMES)})"
         )
-    if scheme in ("redis", "rediss"):
+    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         from .redis import RedisLeaseStore
 
         return RedisLeaseStore(url, namespace=namespace, timeout_s=timeout_s,

@@ -14,18 +14,21 @@ local function bad_counter(counter_key)
   return nil
 end
 
--- next_token(counter_key): the namespace's single fencing-token source. When the counter is
--- missing (restart without persistence, failover to a replica that never saw it) it is re-seeded
--- from the server's TIME in microseconds, which is larger than any count issued before the reset
--- as long as fewer than one token per microsecond was issued since the counter was first seeded.
+-- next_token(counter_key): the namespace's single fencing-token source: max(INCR, TIME in us).
+-- The server clock bounds every token issued before from below as long as fewer than one token
+-- per microsecond was issued, so a counter that went back (missing after a restart without
+-- persistence, older after a restart from an older RDB snapshot or a failover to a lagging
+-- replica) still never issues a token at or below one already issued. The counter is set to the
+-- token issued, so "token t was issued => t <= GET counter" holds for the audited backend.
 local function next_token(counter_key)
-  if redis.call('EXISTS', counter_key) == 0 then
-    local t = redis.call('TIME')
-    local seed = tonumber(t[1]) * 1000000 + tonumber(t[2])
-    redis.call('SET', counter_key, string.format('%d', seed))
-    return seed
+  local n = redis.call('INCR', counter_key)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  if now > n then
+    redis.call('SET', counter_key, string.format('%d', now))
+    return now
   end
-  return redis.call('INCR', counter_key)
+  return n
 end
 
 -- lease_is(lease_key, holder, token): the lease key exists and names this holder (and token,
@@ -45,12 +48,21 @@ local function hmget_safe(key, ...)
   return r
 end
 
--- claim_alive(prefix, lease, holder, ltoken): the claim's lease key exists with the claim's
+-- lease_alive(lease_key, holder, ltoken): the claim's lease key exists with the claim's
 -- holder and lease token. A claim missing any of them is not alive.
-local function claim_alive(prefix, lease, holder, ltoken)
-  if not lease or not holder or not ltoken then return false end
-  local cur = hmget_safe(prefix .. 'lease:' .. lease, 'holder', 'token')
+local function lease_alive(lease_key, holder, ltoken)
+  if not lease_key or not holder or not ltoken then return false end
+  local cur = hmget_safe(lease_key, 'holder', 'token')
   return cur ~= nil and cur[1] ~= false and cur[1] == holder and cur[2] == ltoken
+end
+
+-- declared_keys(from): the set of KEYS[from..]. Every key a script touches is declared (Redis
+-- Cluster routes by them); a key named by stored data is looked up here, and a script that
+-- meets one that was not passed reports it instead of touching it.
+local function declared_keys(from)
+  local set = {}
+  for i = from, #KEYS do set[KEYS[i]] = true end
+  return set
 end
 
 -- claim_row(out, ck, c, alive): append one claim to a flat reply (missing fields as '').

@@ -3,8 +3,8 @@
 A store keeps three kinds of things for one namespace:
 
 * **leases** — named, exclusive, expiring; acquiring one yields a fencing token from the
-  namespace's single monotonic token source (etcd: the revision; Redis: one counter re-seeded
-  from ``TIME`` in microseconds when missing, so tokens never go backwards after a reset);
+  namespace's single monotonic token source (etcd: the revision; Redis: ``max(INCR, TIME in
+  µs)`` on one counter, so tokens never go backwards when the counter does);
 * **claims** — ``key -> value`` records bound to a lease; valid exactly while that lease lives,
   never refreshed one by one (renewing the lease is O(1) whatever the number of claims);
 * **records** — small JSON-able values (slot state, presence, tombstones, command queues),

@@ -2,26 +2,42 @@
 -- KEYS[4] index of lease names having claims (zset, score = smallest lease token among the
 -- name's claims, see orphans.lua), KEYS[5..] claim keys
 -- ARGV[1] lease name, ARGV[2] holder, ARGV[3] lease token, ARGV[4] namespace prefix ("ns:"),
--- ARGV[5..] claim values (JSON), one per claim key
--- Returns {-1} when the lease is not held, else {1, t1, t2, ...} with 0 for a refused claim.
+-- ARGV[5..4+n] claim values (JSON), one per claim key
+-- then, for previous claimants' leases the caller knows of: KEYS (lease key, claims-of set)
+-- pairs after the claim keys and their lease names after the values (m of them), so
+-- #ARGV - 4 = n + m and #KEYS - 4 = n + 2m
+-- Returns {-1} when the lease is not held, {-2, name, ...} when a claim's previous claimant's
+-- lease was not passed (nothing written; the caller passes those keys and calls again: every
+-- key touched is declared), else {1, t1, t2, ...} with 0 for a refused claim.
 -- A claim is alive iff its lease key holds the claim's holder AND lease token: a lease that
 -- expired and was re-taken by the same holder is a new lease and does not revive old claims.
--- The previous claimant's lease key is derived from the claim (Redis Cluster is not supported).
 local bad = bad_counter(KEYS[2])
 if bad then return redis.error_reply(bad) end
 if not lease_is(KEYS[1], ARGV[2], ARGV[3]) then return {-1} end
+local nclaims = 2 * (#ARGV - 4) - (#KEYS - 4)
+local lease_keys = {[ARGV[1]] = {KEYS[1], KEYS[3]}}
+for j = 1, #KEYS - 4 - nclaims, 2 do
+  lease_keys[ARGV[4 + nclaims + (j + 1) / 2]] = {KEYS[4 + nclaims + j], KEYS[5 + nclaims + j]}
+end
+local missing = {-2}
+for i = 5, 4 + nclaims do
+  local prev = hmget_safe(KEYS[i], 'lease') or {}
+  if prev[1] and not lease_keys[prev[1]] then missing[#missing + 1] = prev[1] end
+end
+if #missing > 1 then return missing end
 local out = {1}
 local granted = 0
-for i = 5, #KEYS do
+for i = 5, 4 + nclaims do
   local ck = KEYS[i]
   -- A key that is not a claim hash is foreign data: taken over like a dead claim.
   local prev = hmget_safe(ck, 'lease', 'holder', 'ltoken') or {}
   local free = true
   if prev[1] then
-    if claim_alive(ARGV[4], prev[1], prev[2], prev[3]) then
+    local pkeys = lease_keys[prev[1]]
+    if lease_alive(pkeys[1], prev[2], prev[3]) then
       free = false
     else
-      local pset = ARGV[4] .. 'claims-of:' .. prev[1]
+      local pset = pkeys[2]
       redis.pcall('SREM', pset, ck)
       if prev[1] ~= ARGV[1] and redis.pcall('SCARD', pset) == 0 then
         redis.call('ZREM', KEYS[4], prev[1])

@@ -5,15 +5,18 @@ URL grammar::
     redis://[[user]:password@]host[:port][/db]
     rediss://[[user]:password@]host[:port][/db][?ssl_ca_certs=PATH&ssl_certfile=PATH
                                                &ssl_keyfile=PATH&ssl_cert_reqs=required|optional|none]
+    redis+cluster://[[user]:password@]host[:port]      (rediss+cluster:// with the TLS options)
 
 Any other query option is a ``ConfigError`` (a typo in a TLS option must not silently turn
-verification off). Port defaults to 6379, db to 0.
+verification off). Port defaults to 6379, db to 0 (a cluster has only db 0).
 
-Physical layout, every key prefixed ``"{namespace}:"``:
+Physical layout, every key prefixed ``"{namespace}:"`` — on a Redis Cluster ``"{{namespace}}:"``,
+a hash tag that puts all of a namespace's keys in one slot, so every script's keys share it:
 
-* ``token`` — the fencing-token counter (string). Re-seeded from ``TIME`` in microseconds when
-  missing, so tokens never go backwards after a restart without persistence or a failover. The
-  audited result backend relies on "token ``t`` was issued iff ``t <= GET {namespace}:token``".
+* ``token`` — the fencing-token counter (string). A token is ``max(INCR, TIME in µs)`` and the
+  counter is set to it, so tokens never go backwards when the counter does (missing or older
+  after a restart or a failover to a lagging replica). The audited result backend relies on
+  "token ``t`` was issued => ``t <= GET {namespace}:token``".
 * ``lease:<name>`` — hash ``{holder, token}`` with a millisecond ``PEXPIRE``.
 * ``claim:<key>`` — hash ``{lease, holder, ltoken, token, value}``, no TTL: a claim is alive
   exactly while ``lease:<lease>`` exists with the same holder and lease token (``ltoken``), so
@@ -24,8 +27,15 @@ Physical layout, every key prefixed ``"{namespace}:"``:
 * ``rec:<key>`` — record hash ``{v: JSON, t: writer token}``; ``q:<queue>`` — list.
 * channel ``lease-free`` — lease names published on release, for ``watch_free``.
 
-Scripts read keys they derive from claim contents (the previous claimant's lease), so Redis
-Cluster is not supported; use a standalone server or a Sentinel-managed primary.
+Every key a script touches is declared in its KEYS. Where a script would need a key named by
+stored data (the previous claimant's lease of a claim, the members of a claims-of set, the lease
+names in the index), the keys are read first and passed in, and the script checks that what it
+finds is what was passed (a key that changed in between is reported and the call retried, or is
+left to the next reaper pass). ``redis+cluster://`` names one node of a Redis Cluster: the store
+finds the master owning the namespace's slot (``CLUSTER SLOTS``) and talks to it alone, so
+pipelines, ``WAIT``, ``SCAN`` and pub/sub behave as on a standalone server; a ``MOVED`` reply
+(resharding, failover) drops that connection and the call fails as ``StoreUnavailable`` (callers
+retry). A ``redis://`` URL pointing at a cluster node is refused (``UnsupportedSetup``).
 
 With ``redis_wait_replicas > 0`` every lease write (acquire, renew, claim, fenced put/delete/pop)
 is pipelined with ``WAIT n timeout`` in the same round trip. When fewer replicas acknowledge,
@@ -48,7 +58,14 @@ from urllib.parse import parse_qs, urlsplit
 
 import redis as redis_lib
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, ResponseError
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from ..errors import (
@@ -67,11 +84,14 @@ from ._urls import masked_url as mask_url
 from ._urls import split_credentials
 from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease, Taken
 
-__all__ = ["RedisLeaseStore", "parse_redis_url", "token_counter_key"]
+__all__ = ["RedisLeaseStore", "is_cluster_url", "key_prefix", "parse_redis_url",
+           "token_counter_key"]
 
 log = logging.getLogger(__name__)
 
 _CLAIM_BATCH = 1000
+#: Attempts of a claim read whose claimants changed hands between the reads.
+_READ_ATTEMPTS = 4
 _PUT_BATCH = 500
 _POLL_S = 0.25
 _SSL_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
@@ -79,9 +99,22 @@ _CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
               "none": ssl.CERT_NONE}
 
 
-def token_counter_key(namespace: str) -> str:
-    """Physical key of the namespace's fencing-token counter (``"{namespace}:token"``)."""
-    return f"{namespace}:token"
+def token_counter_key(namespace: str, *, cluster: bool = False) -> str:
+    """Physical key of the namespace's fencing-token counter (``"{namespace}:token"``; on a
+    Redis Cluster ``"{{namespace}}:token"``)."""
+    return f"{key_prefix(namespace, cluster=cluster)}token"
+
+
+def key_prefix(namespace: str, *, cluster: bool = False) -> str:
+    """Prefix of every key of ``namespace``: ``"ns:"``, or ``"{ns}:"`` on a Redis Cluster (a hash
+    tag: the namespace's keys share one slot, as each script's keys must). Standalone servers
+    keep the untagged names, so existing deployments' keys stay where they are."""
+    return f"{{{namespace}}}:" if cluster else f"{namespace}:"
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (``redis+cluster://``, ``rediss+cluster://``)."""
+    return url.split("://", 1)[0].endswith("+cluster")
 
 
 def parse_redis_url(url: str) -> dict[str, Any]:
@@ -92,8 +125,11 @@ def parse_redis_url(url: str) -> dict[str, Any]:
     """
     masked = mask_url(url)
     scheme, user, password, rest = split_credentials(url)
+    cluster = scheme.endswith("+cluster")
+    scheme = scheme.removesuffix("+cluster")
     if scheme not in ("redis", "rediss"):
-        raise ConfigError(f"crawl_lease_url: {masked!r} is not a redis:// or rediss:// URL")
+        raise ConfigError(f"crawl_lease_url: {masked!r} is not a redis://, rediss://, "
+                          f"redis+cluster:// or rediss+cluster:// URL")
     try:
         parts = urlsplit(f"//{rest}")
         port = parts.port or 6379
@@ -103,6 +139,8 @@ def parse_redis_url(url: str) -> dict[str, Any]:
     path = parts.path.strip("/") or "0"
     if not path.isdigit():
         raise ConfigError(f"crawl_lease_url: {masked!r}: database {path!r} is not a number")
+    if cluster and int(path) != 0:
+        raise ConfigError(f"crawl_lease_url: {masked!r}: a Redis Cluster has only database 0")
     kwargs: dict[str, Any] = {
         "host": parts.hostname or "localhost",
         "port": port,
@@ -190,13 +228,67 @@ class RedisLeaseStore:
         self.wait_replicas = int(redis_wait_replicas)
         self.round_trips = 0
         self.unacked_writes = 0
-        self._prefix = f"{namespace}:"
-        self._token_key = token_counter_key(namespace)
+        self.cluster = is_cluster_url(url)
+        self._prefix = key_prefix(namespace, cluster=self.cluster)
+        self._token_key = token_counter_key(namespace, cluster=self.cluster)
         self._index_key = f"{self._prefix}claim-leases"
         self._channel = f"{self._prefix}lease-free"
         self._scripts = _load_scripts()
-        self._client = _client_factory(parse_redis_url(url))
-        self._redis = self._client(self.timeout_s)
+        kwargs: dict[str, Any] = dict(
+            **parse_redis_url(url),
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            decode_responses=True,
+            # Foreign bytes must reach _loads (StoreDataError naming the key), not blow up in
+            # the reply parser.
+            encoding_errors="surrogateescape",
+            protocol=2,
+        )
+
+        def connect(**where: Any) -> redis_lib.Redis:
+            # A closure, not a stored dict: the password must not show in vars(store).
+            return redis_lib.Redis(**{**kwargs, **where})
+
+        self._connect = connect
+        self._seed_host = str(kwargs["host"])
+        # Standalone: the URL's server. Cluster: the master owning the namespace's slot, found
+        # on first use and again after a MOVED reply.
+        self._client: redis_lib.Redis | None = None if self.cluster else connect()
+
+    @property
+    def _redis(self) -> redis_lib.Redis:
+        if self._client is None:
+            self._client = self._slot_owner()
+        return self._client
+
+    def _slot_owner(self) -> redis_lib.Redis:
+        """A client of the cluster master serving the namespace's slot (``CLUSTER SLOTS`` asked
+        of the URL's node), with the URL's credentials, TLS options and timeouts."""
+        slot = key_slot(self._token_key.encode())
+        seed = self._connect()
+        try:
+            with self._translate("CLUSTER SLOTS"):
+                self.round_trips += 1
+                ranges = seed.execute_command("CLUSTER", "SLOTS")
+        finally:
+            with contextlib.suppress(Exception):
+                seed.close()
+        for first, last, master, *_ in ranges or ():
+            if int(first) <= slot <= int(last):
+                return self._connect(host=str(master[0]) or self._seed_host, port=int(master[1]))
+        raise StoreUnavailable(f"{self.url}: no cluster master serves slot {slot} of namespace "
+                               f"{self.namespace!r} (CLUSTERDOWN?)")
+
+    def _drop_node(self) -> None:
+        """Forget the slot owner after a MOVED/ASK/CLUSTERDOWN reply; the next call asks again."""
+        if self.cluster and self._client is not None:
+            client, self._client = self._client, None
+            with contextlib.suppress(Exception):
+                client.close()
+            for each in self._scripts.values():
+                each.sha = None
 
     # -- plumbing ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -210,6 +302,10 @@ class RedisLeaseStore:
             ) from exc
         except redis_lib.exceptions.ConnectionError as exc:
             raise StoreUnavailable(f"{self.url}: {what}: {exc}") from exc
+        except (AskError, ClusterDownError, TryAgainError) as exc:  # MovedError is an AskError
+            self._drop_node()
+            raise StoreUnavailable(f"{self.url}: {what}: the cluster moved the namespace's slot "
+                                   f"or is down ({exc}); the next call finds its master") from exc
         except ResponseError as exc:
             if "CRAWLDATA" in str(exc):
                 raise StoreDataError(f"{self.url}: {what}: {exc}") from exc
@@ -240,7 +336,11 @@ class RedisLeaseStore:
         that bound (connect included), closed afterwards: the pooled connections keep theirs.
         """
         if timeout_s is not None and timeout_s < self.timeout_s:
-            bounded = self._client(max(0.001, timeout_s))
+            bound = max(0.001, timeout_s)
+            # The server the pooled client talks to (a cluster's slot owner), with its own bound.
+            where = {k: v for k, v in self._redis.connection_pool.connection_kwargs.items()
+                     if k in ("host", "port", "path")}
+            bounded = self._connect(**where, socket_timeout=bound, socket_connect_timeout=bound)
             try:
                 return self._eval_on(bounded, name, keys, args, wait=wait, timeout_s=timeout_s)
             finally:
@@ -291,10 +391,12 @@ class RedisLeaseStore:
             pipe.script_load(script.source)
         self.round_trips += 1
         info, *shas = pipe.execute()
-        if isinstance(info, dict) and str(info.get("cluster_enabled", 0)) == "1":
+        if (isinstance(info, dict) and str(info.get("cluster_enabled", 0)) == "1"
+                and not self.cluster):
             raise UnsupportedSetup(
-                f"{self.url}: Redis Cluster is not supported as a lease store (its scripts touch "
-                f"keys of several slots); use a standalone server or a Sentinel-managed primary"
+                f"{self.url}: this server is a Redis Cluster node; name it with "
+                f"redis+cluster:// (or rediss+cluster://) so the store puts the namespace's keys "
+                f"in one slot and talks to the master owning it"
             )
         for script, sha in zip(self._scripts.values(), shas, strict=True):
             script.sha = str(sha)
@@ -388,16 +490,28 @@ class RedisLeaseStore:
     def claim_many(
         self, lease: Lease, items: Sequence[tuple[str, Mapping[str, Any]]]
     ) -> list[int | None]:
-        """``claim`` for many keys, up to 1000 per round trip."""
+        """``claim`` for many keys, up to 1000 per round trip (plus one when a key's previous
+        claimant's lease keys must be declared: learnt from the first reply, which wrote
+        nothing)."""
         out: list[int | None] = []
         for start in range(0, len(items), _CLAIM_BATCH):
             batch = items[start:start + _CLAIM_BATCH]
-            keys = [self._k("lease", lease.name), self._token_key,
-                    self._k("claims-of", lease.name), self._index_key,
-                    *(self._k("claim", k) for k, _ in batch)]
-            args = [lease.name, lease.holder, lease.token, self._prefix,
-                    *(_dumps(v, k) for k, v in batch)]
-            reply, acked = self._eval("claim", keys, args, wait=True)
+            previous: list[str] = []
+            for _ in range(_READ_ATTEMPTS):
+                keys = [self._k("lease", lease.name), self._token_key,
+                        self._k("claims-of", lease.name), self._index_key,
+                        *(self._k("claim", k) for k, _ in batch)]
+                for name in previous:
+                    keys += [self._k("lease", name), self._k("claims-of", name)]
+                args = [lease.name, lease.holder, lease.token, self._prefix,
+                        *(_dumps(v, k) for k, v in batch), *previous]
+                reply, acked = self._eval("claim", keys, args, wait=True)
+                if int(reply[0]) != -2:
+                    break
+                previous.extend(str(n) for n in reply[1:] if str(n) not in previous)
+            else:
+                raise StoreError(f"{self.url}: claims {[k for k, _ in batch][:3]} kept changing "
+                                 f"hands while being claimed ({_READ_ATTEMPTS} attempts)")
             if int(reply[0]) == -1:
                 raise LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: "
                                 f"it is gone or held by another holder")
@@ -411,16 +525,28 @@ class RedisLeaseStore:
     def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
                              record: str, version: str) -> int | None:
         """``claim`` iff record ``record`` still holds ``version`` (its JSON as read), in one
-        script (``claim_guard.lua`` + ``claim.lua``)."""
-        keys = [self._k("lease", lease.name), self._token_key, self._k("claims-of", lease.name),
-                self._index_key, self._k("claim", key), self._k("rec", record)]
-        args = [lease.name, lease.holder, lease.token, self._prefix, _dumps(value, key), version]
-        reply, acked = self._eval("claim_unless", keys, args, wait=True)
+        script (``claim_guard.lua`` + ``claim.lua``; plus one round trip when the previous
+        claimant's lease keys must be declared, as for ``claim_many``)."""
+        previous: list[str] = []
+        for _ in range(_READ_ATTEMPTS):
+            keys = [self._k("rec", record), self._k("lease", lease.name), self._token_key,
+                    self._k("claims-of", lease.name), self._index_key, self._k("claim", key)]
+            for name in previous:
+                keys += [self._k("lease", name), self._k("claims-of", name)]
+            args = [version, lease.name, lease.holder, lease.token, self._prefix,
+                    _dumps(value, key), *previous]
+            reply, acked = self._eval("claim_unless", keys, args, wait=True)
+            if int(reply[0]) != -2:
+                break
+            previous.extend(str(n) for n in reply[1:] if str(n) not in previous)
+        else:
+            raise StoreError(f"{self.url}: claim {key!r} kept changing hands while being "
+                             f"claimed ({_READ_ATTEMPTS} attempts)")
         code = int(reply[0])
         if code == -1:
             raise LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: "
                             f"it is gone or held by another holder")
-        if code == -2:
+        if code == -3:
             raise RecordChanged(f"{self.url}: claim of {key!r} refused: record {record!r} "
                                 f"changed since it was read")
         if self._under_acked(acked):
@@ -451,39 +577,108 @@ class RedisLeaseStore:
                 log.warning("%s: skipping foreign data: %s", self.url, exc)
         return claims
 
+    def _read_claims(self, claim_keys: Sequence[str], leases: Sequence[str], *,
+                     only_passed: bool) -> list[Any]:
+        """``read_claims.lua`` with every lease key it reads declared: the claimants' lease
+        names are learnt from a first reply when not known, then passed in (a claim re-taken
+        in between names yet another lease: asked again, a few times at most)."""
+        known = list(dict.fromkeys(leases))
+        for _ in range(_READ_ATTEMPTS):
+            keys = [*claim_keys, *(self._k("lease", n) for n in known)]
+            reply, _ = self._eval("read_claims", keys,
+                                  [self._prefix, len(claim_keys), "1" if only_passed else "0"])
+            if int(reply[0]) == 1:
+                return list(reply[1:])
+            known.extend(n for n in reply[1:] if n not in known)
+        raise StoreError(f"{self.url}: claims {list(claim_keys)[:3]} kept changing hands while "
+                         f"being read ({_READ_ATTEMPTS} attempts)")
+
     def claimant(self, key: str) -> Claim | None:
         """The current claim on ``key`` (alive or orphaned), or None."""
-        reply, _ = self._eval("read_claims", [self._k("claim", key)], [self._prefix, ""])
-        claims = self._claims_from(reply, strict=True)
+        flat = self._read_claims([self._k("claim", key)], [], only_passed=False)
+        claims = self._claims_from(flat, strict=True)
         return claims[0] if claims else None
 
     def unclaim(self, lease: Lease, key: str) -> bool:
         """Delete claim ``key`` if it is bound to ``lease``; True if deleted."""
         reply, _ = self._eval(
             "unclaim",
-            [self._k("claim", key), self._k("claims-of", lease.name), self._index_key],
-            [lease.name, lease.holder, "unclaim", lease.token, self._prefix],
+            [self._k("claim", key), self._k("claims-of", lease.name), self._index_key,
+             self._k("lease", lease.name)],
+            [lease.name, lease.holder, "unclaim", lease.token],
         )
         return bool(reply)
 
     def claims_of(self, lease_name: str) -> list[Claim]:
-        """Every claim bound to ``lease_name``, read from its index set (no keyspace scan)."""
-        reply, _ = self._eval("read_claims", [],
-                              [self._prefix, self._k("claims-of", lease_name)])
-        return [c for c in self._claims_from(reply, strict=False) if c.lease_name == lease_name]
+        """Every claim bound to ``lease_name``, read from its index set (no keyspace scan).
+
+        Two steps, so the script's keys are declared: the set's members, then the claims
+        with the lease key. A claim made in between is not listed (as if read just before it
+        was made); one dropped in between is not either."""
+        members = self._set_members([self._k("claims-of", lease_name)])[0]
+        flat: list[Any] = []
+        for start in range(0, len(members), _CLAIM_BATCH):
+            flat.extend(self._read_claims(members[start:start + _CLAIM_BATCH], [lease_name],
+                                          only_passed=True))
+        return [c for c in self._claims_from(flat, strict=False) if c.lease_name == lease_name]
+
+    def _set_members(self, sets: Sequence[str]) -> list[list[str]]:
+        """Members of each set in one round trip; a key that is not a set reads as empty."""
+        if not sets:
+            return []
+        with self._translate("SMEMBERS"):
+            pipe = self._redis.pipeline(transaction=False)
+            for s in sets:
+                pipe.smembers(s)
+            self.round_trips += 1
+            replies = pipe.execute(raise_on_error=False)
+        return [[] if isinstance(r, Exception) else sorted(str(m) for m in r) for r in replies]
 
     def orphaned_claims(self, limit: int = 1000) -> list[Claim]:
-        """Claims whose lease is dead, oldest lease first, from the index (no keyspace scan)."""
-        reply, _ = self._eval("orphans", [self._index_key], [self._prefix, int(limit)])
-        return self._claims_from(reply, strict=False)
+        """Claims whose lease is dead, oldest lease first, from the index (no keyspace scan).
+
+        The index, the lease keys of its names and the claims-of sets of the names to scan are
+        read first, then passed to ``orphans.lua``, which checks them again (every key it
+        touches is declared)."""
+        with self._translate("orphans"):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.zrange(self._index_key, 0, -1, withscores=True)
+            self.round_trips += 1
+            (index,) = pipe.execute(raise_on_error=False)
+            if isinstance(index, Exception) or not index:
+                return []  # foreign data under the index key: nothing to recover from it
+            pipe = self._redis.pipeline(transaction=False)
+            for name, _ in index:
+                pipe.hget(self._k("lease", str(name)), "token")
+            self.round_trips += 1
+            tokens = pipe.execute(raise_on_error=False)
+        scan = [(str(name), score) for (name, score), tok in zip(index, tokens, strict=True)
+                if not (isinstance(tok, str) and tok.isdigit() and int(tok) <= score)]
+        members = self._set_members([self._k("claims-of", n) for n, _ in scan])
+        flat: list[Any] = []
+        found = 0
+        group_keys: list[str] = []
+        group_args: list[Any] = []
+        for i, ((name, score), ms) in enumerate(zip(scan, members, strict=True)):
+            group_keys += [self._k("lease", name), self._k("claims-of", name), *ms]
+            group_args += [name, repr(float(score)), len(ms)]
+            if len(group_keys) >= _CLAIM_BATCH or i == len(scan) - 1:
+                reply, _ = self._eval("orphans", [self._index_key, *group_keys],
+                                      [int(limit) - found, *group_args])
+                flat.extend(reply)
+                found = len(flat) // 6
+                group_keys, group_args = [], []
+                if found >= limit:
+                    break
+        return self._claims_from(flat, strict=False)
 
     def drop_claim(self, claim: Claim) -> bool:
         """Delete an orphaned claim if it still carries ``claim.token``."""
         reply, _ = self._eval(
             "unclaim",
             [self._k("claim", claim.key), self._k("claims-of", claim.lease_name),
-             self._index_key],
-            [claim.lease_name, claim.holder, "drop", claim.token, self._prefix],
+             self._index_key, self._k("lease", claim.lease_name)],
+            [claim.lease_name, claim.holder, "drop", claim.token],
         )
         return bool(reply)
 
@@ -697,32 +892,12 @@ class RedisLeaseStore:
 
     def close(self) -> None:
         """Close the connection pool."""
-        with contextlib.suppress(Exception):
-            self._redis.close()
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
 
     def __repr__(self) -> str:
         return f"RedisLeaseStore({self.url!r}, namespace={self.namespace!r})"
-
-
-def _client_factory(kwargs: dict[str, Any]) -> Callable[[float], redis_lib.Redis]:
-    """Clients of one server with a given timeout; the connection arguments (credentials among
-    them) live in the closure, out of the store's ``vars()`` and ``repr``."""
-
-    def client(timeout_s: float) -> redis_lib.Redis:
-        return redis_lib.Redis(
-            **kwargs,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-            decode_responses=True,
-            # Foreign bytes must reach _loads (StoreDataError naming the key), not blow up in
-            # the reply parser.
-            encoding_errors="surrogateescape",
-            protocol=2,
-        )
-
-    return client
 
 
 def _dumps(value: Mapping[str, Any], key: str) -> str:

@@ -4,10 +4,11 @@ and (for the beat's delivery check) tell whether a task still waits in its queue
 Redis broker (kombu's virtual transport): an unacked message lives in the ``unacked`` hash and the
 ``unacked_index`` zset (score = delivery time) until acked. A dead worker's messages would wait
 there for ``visibility_timeout`` (3600 s by default); kombu's own ``QoS.restore_by_tag`` puts one
-back on its queue atomically (it knows key prefixes, priority queues and custom queue keys), and it
-is idempotent: a tag already restored or acked is no longer in the hash. Re-scoring our own tags
-in ``unacked_index`` on every renewal keeps ``restore_visible`` from redelivering a task that is
-still running or reserved here, however long it runs.
+back on its queue atomically (it knows key prefixes, priority queues and custom queue keys), at the
+head (the right end, popped next), and it is idempotent: a tag already restored or acked is no
+longer in the hash. Re-scoring our own tags in ``unacked_index`` on every renewal keeps
+``restore_visible`` from redelivering a task that is still running or reserved here, however long
+it runs.
 
 These calls use a dedicated kombu connection of the same broker URL and transport options, owned by
 the renewal thread: the consumer's channel belongs to the event loop and is not thread-safe.
@@ -124,9 +125,11 @@ class RedisBroker:
         try:
             done = 0
             for tag in tags:
-                # leftmost=True: a recovered task goes to the head of its queue, as kombu does
-                # for a rejected-with-requeue message.
-                chan.qos.restore_by_tag(json_tag(tag), leftmost=True)
+                # leftmost=False is RPUSH: kombu publishes with LPUSH and consumes with BRPOP
+                # from the right, so the right end of the message's own priority list is the
+                # head. A recovered task is next, not behind the whole backlog (kombu's
+                # "leftmost" is the tail for its own consumer).
+                chan.qos.restore_by_tag(json_tag(tag), leftmost=False)
                 done += 1
             return done
         except Exception:

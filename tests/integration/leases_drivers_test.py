@@ -19,6 +19,7 @@ from celery_crawl.errors import (
     CrawlError,
     LeaseLost,
     StoreDataError,
+    StoreUnavailable,
     UnsupportedSetup,
 )
 from celery_crawl.leases import Characteristic, make_holder, open_store, require, store_for
@@ -284,12 +285,50 @@ def test_store_for_config_and_required_characteristics(redis_server: RedisServer
     assert make_holder() != holder
 
 
-def test_redis_cluster_is_refused_with_a_clear_error() -> None:
+def test_a_cluster_node_named_by_a_plain_redis_url_is_refused_with_a_clear_error() -> None:
     server = RedisServer(extra=["--cluster-enabled", "yes"], port=free_cluster_port()).start()
     try:
         store = open_store(server.url, namespace="cluster")
-        with pytest.raises(UnsupportedSetup, match="Redis Cluster is not supported"):
+        with pytest.raises(UnsupportedSetup, match=r"Redis Cluster node; name it with redis\+cluster://"):
             store.acquire("a", 5, make_holder())
         store.close()
+        with pytest.raises(ConfigError, match="only database 0"):
+            open_store(f"redis+cluster://127.0.0.1:{server.port}/3", namespace="cluster")
     finally:
         server.cleanup()
+
+
+def test_a_moved_slot_fails_one_call_then_the_store_and_backend_follow_it() -> None:
+    """Resharding the namespace's slot to another master: the next call of each client gets
+    MOVED, fails as StoreUnavailable, and the one after talks to the new master, data intact."""
+    from celery import Celery, states
+    from celery.app.task import Context
+
+    from tests.clusters import running_redis_cluster
+
+    with running_redis_cluster() as cluster:
+        store = open_store(cluster.url, namespace="moving", timeout_s=5)
+        app = Celery("moving", broker="memory://", set_as_current=False,
+                     backend=f"crawlredis+cluster://127.0.0.1:{cluster.nodes[0].port}/0")
+        app.conf.update(crawl_namespace="moving", redis_socket_timeout=5,
+                        result_backend_transport_options={"retry_policy": {"max_retries": 0}})
+        try:
+            lease = store.acquire("leader", 30, "a")
+            assert lease is not None
+            token = store.claim(lease, "task:1", {"n": 1})
+            assert token is not None
+            app.backend.store_result("t1", 1, states.SUCCESS,
+                                     request=Context(crawl_claim_token=token))
+            old = cluster.owner("{moving}:token")
+            new = cluster.move_slot_of("{moving}:token")
+            assert new is not old
+            with pytest.raises(StoreUnavailable, match="moved"):
+                store.renew(lease)
+            lease = store.renew(lease)
+            assert store.claimant("task:1") is not None
+            with pytest.raises(StoreUnavailable, match="moved"):
+                app.backend.get_task_meta("t1", cache=False)
+            assert app.backend.get_task_meta("t1", cache=False)["status"] == states.SUCCESS
+        finally:
+            store.close()
+            app.backend.client.connection_pool.disconnect()

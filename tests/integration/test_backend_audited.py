@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from celery_crawl.backends import AuditedRedisBackend
 from celery_crawl.backends.audit import history, iter_records, verify
-from celery_crawl.errors import ConfigError, SerializationRefused, StoreUnavailable
+from celery_crawl.errors import ConfigError, SerializationRefused, StoreError, StoreUnavailable
+from tests.clusters import RedisCluster3
 from tests.servers import RedisServer, free_port, wait_until
 
 
@@ -32,9 +33,16 @@ def req(token: int | None = None, worker: str = "w1", **extra: Any) -> Context:
     return Context(crawl_claim_token=token, hostname=worker, **extra)
 
 
-@pytest.fixture
-def backend(redis_server: RedisServer) -> AuditedRedisBackend:
-    app = make_app(f"crawlredis://127.0.0.1:{redis_server.port}/0")
+@pytest.fixture(params=["standalone", "cluster"])
+def backend(request: pytest.FixtureRequest) -> AuditedRedisBackend:
+    """The backend on the session's Redis, and on a 3-master Redis Cluster (every key under the
+    namespace's hash tag, on the master owning its slot)."""
+    if request.param == "cluster":
+        cluster: RedisCluster3 = request.getfixturevalue("redis_cluster")
+        app = make_app(f"crawlredis+cluster://127.0.0.1:{cluster.nodes[0].port}/0")
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        app = make_app(f"crawlredis://127.0.0.1:{server.port}/0")
     b = app.backend
     assert isinstance(b, AuditedRedisBackend)
     # The lease store defaults to the backend's server: tokens up to 10**6 count as issued.
@@ -331,3 +339,14 @@ def test_digest_survives_rich_json_values(backend) -> None:
     backend.store_result(tid, value, states.SUCCESS, request=req(None))
     raw = backend.client.get(backend.get_key_for_task(tid))
     assert backend.stored_digest(raw) == history(backend, tid)[-1].digest
+
+
+def test_a_cluster_needs_the_cluster_url_and_plain_text(redis_cluster: RedisCluster3) -> None:
+    seed = redis_cluster.nodes[0]
+    plain = make_app(f"crawlredis://127.0.0.1:{seed.port}/0").backend
+    tid = next(t for t in (str(uuid.uuid4()) for _ in range(100))
+               if redis_cluster.owner(plain.get_key_for_task(t).decode()) is not seed)
+    with pytest.raises(StoreError, match=r"Redis Cluster node; name it with crawlredis\+cluster"):
+        plain.store_result(tid, 1, states.SUCCESS, request=req())
+    with pytest.raises(ConfigError, match=r"only crawlredis\+cluster:// names a Redis Cluster"):
+        _ = make_app(f"crawlrediss+cluster://127.0.0.1:{seed.port}/0").backend

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -16,17 +18,27 @@ from celery_crawl.backends.ledger import KeyLedger
 from celery_crawl.errors import ConfigError
 from celery_crawl.tasks import (
     DEADLINE_HEADER,
+    ROLLBACK_PENDING,
+    ROLLED_BACK,
     IdempotentTask,
     deadline_headers,
     parse_deadline,
 )
+from tests.clusters import RedisCluster3
 from tests.servers import RedisServer, wait_until
 
 
-@pytest.fixture
-def app(redis_server: RedisServer) -> Celery:
+@pytest.fixture(params=["standalone", "cluster"])
+def app(request: pytest.FixtureRequest) -> Celery:
+    """An app on the session's Redis, and on a 3-master Redis Cluster."""
+    if request.param == "cluster":
+        cluster: RedisCluster3 = request.getfixturevalue("redis_cluster")
+        url = f"crawlredis+cluster://127.0.0.1:{cluster.nodes[0].port}/0"
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        url = f"crawlredis://127.0.0.1:{server.port}/0"
     app = Celery(f"l{uuid.uuid4().hex[:6]}", broker="memory://", set_as_current=False,
-                 backend=f"crawlredis://127.0.0.1:{redis_server.port}/0")
+                 backend=url)
     app.conf.update(crawl_namespace=f"ns{uuid.uuid4().hex[:8]}", redis_socket_timeout=5)
     return app
 
@@ -84,8 +96,10 @@ def test_a_takeover_names_the_dead_runs_to_roll_back_until_their_rollback_is_don
     # "b" is killed mid-rollback: the next run owes both (a killed rollback is retried)
     again = led.begin(ids["t1"], "7", "c")
     assert again.abandoned == ("5", "6")
+    # "b"'s lock on token 5 lapses a heartbeat TTL after it was taken; then "c" takes it over.
     for tok in again.abandoned:
-        assert led.rollback_begin("c", tok, final=False, failure="{}") == "go"
+        wait_until(lambda t=tok: led.rollback_begin("c", t, final=False, failure="{}") == "go",
+                   5, what=f"the rollback lock of token {tok}")
         led.rollback_end("c", tok, final=False, status="done")
     assert led.rollback_begin("c", "5", final=False, failure="{}") == "done"
     # "c" dies after those rollbacks, its own effects unknown: only "c" is named next.
@@ -141,7 +155,10 @@ def test_rollback_at_most_once_per_token_and_recovery_of_a_pending_one(app) -> N
     # run "a" is killed here; the next delivery (newer token) finishes the rollback
     decision = led.begin(ids["t1"], "4", "b")
     assert (decision.kind, decision.rollback_token, decision.extra) == ("rollback", "3", failure)
-    assert led.rollback_begin("b", "3", final=True, failure=failure) == "go"
+    # "a" holds the rollback lock until it expires (a heartbeat TTL after it was taken): "b"
+    # waits, then takes the rollback over.
+    wait_until(lambda: led.rollback_begin("b", "3", final=True, failure=failure) == "go", 5,
+               what="the dead run's rollback lock to expire")
     led.rollback_end("b", "3", final=True, status="done")
     assert led.rollback_begin("b", "3", final=True, failure=failure) == "done"
     after = led.begin(ids["t1"], "5", "c")
@@ -167,7 +184,7 @@ def test_deadline_option_becomes_header_expires_and_time_limits(app) -> None:
     def capture(headers: dict[str, Any] | None = None, **_: Any) -> None:
         seen.append(dict(headers or {}))
 
-    @app.task(base=IdempotentTask, time_limit=3600)
+    @app.task(base=IdempotentTask, time_limit=3600, shared=False)  # one per app
     def job() -> None:
         pass
 
@@ -195,3 +212,104 @@ def test_deadlines_must_be_aware() -> None:
     with pytest.raises(ConfigError, match="ISO"):
         parse_deadline("tomorrow")
     assert parse_deadline(0) == datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def test_a_rollback_lock_lets_one_caller_run_and_the_other_wait_for_its_outcome(app) -> None:
+    led = ledger(app, ttl_s=30.0)
+    assert led.begin(ids["t1"], "5", "a").kind == "run"
+    assert led.rollback_begin("a", "5", final=False, failure="{}") == "go"
+    # A second caller in the pending window (a fenced run resumed while the run that took its
+    # key over undoes the same token) must not run the same rollback at the same time.
+    assert led.rollback_begin("b", "5", final=False, failure="{}") == "wait"
+    assert led.rollback_touch("a", "5") and not led.rollback_touch("b", "5")
+    assert led.rollback_begin("a", "5", final=False, failure="{}") == "go", "re-entrant"
+    led.rollback_end("a", "5", final=False, status="failed")
+    assert led.rollback_begin("b", "5", final=False, failure="{}", waited=True) == "failed"
+    assert led.rollback_begin("b", "5", final=False, failure="{}") == "go", "a later retry"
+    led.rollback_end("b", "5", final=False, status="done")
+    assert led.rollback_begin("a", "5", final=False, failure="{}") == "done"
+
+
+class _Answers(KeyLedger):
+    """The real ledger, remembering each ``rollback_begin`` answer per run (the test waits on
+    them to know a caller is inside the pending window)."""
+
+    answers: dict[str, list[str]]
+
+    def rollback_begin(self, run_id: str, token: str, **kw: Any) -> str:
+        answer = super().rollback_begin(run_id, token, **kw)
+        self.answers.setdefault(run_id, []).append(answer)
+        return answer
+
+
+def test_two_callers_in_the_pending_window_roll_back_once(app) -> None:
+    entered, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    class Undo(IdempotentTask):  # type: ignore[misc]
+        name = f"undo-{uuid.uuid4().hex[:6]}"
+        rollback_max_attempts = 1
+
+        def run(self) -> None:
+            return None
+
+        def rollback(self, exc: BaseException, task_id: str, args: Any, kwargs: Any) -> None:
+            calls.append(task_id)
+            entered.set()
+            assert release.wait(30), "the test never let the first rollback finish"
+
+    task = app.register_task(Undo())
+    led = _Answers(app.backend, app.backend.crawl_config.namespace, uuid.uuid4().hex, 2.0)
+    led.answers = {}
+    outcomes: dict[str, str | None] = {}
+
+    def caller(run_id: str) -> None:
+        task.push_request(id=ids[run_id], called_directly=False)
+        try:
+            outcomes[run_id] = task._roll_back(led, run_id, "9", ValueError("x"), (), {},
+                                               final=False)
+        finally:
+            task.pop_request()
+
+    first = threading.Thread(target=caller, args=("run-a",), daemon=True)
+    first.start()
+    assert entered.wait(30), "the first rollback did not start"
+    second = threading.Thread(target=caller, args=("run-b",), daemon=True)
+    second.start()
+    wait_until(lambda: "wait" in led.answers.get("run-b", []) or len(calls) > 1, 30,
+               what="the second caller to reach the pending rollback")
+    assert calls == [ids["run-a"]], "the second caller ran the same rollback concurrently"
+    # The first holder outlives its lock TTL (2 s) while it rolls back: its lock is extended.
+    wait_until(lambda: led.answers["run-b"].count("wait") >= 15, 30,
+               what="the second caller to keep waiting past one lock TTL")
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert outcomes == {"run-a": ROLLED_BACK, "run-b": ROLLED_BACK}
+    assert calls == [ids["run-a"]]
+
+
+def test_the_poison_hook_does_not_run_or_wait_for_a_rollback_held_elsewhere(app) -> None:
+    calls: list[str] = []
+
+    class Undo(IdempotentTask):  # type: ignore[misc]
+        name = f"undo-{uuid.uuid4().hex[:6]}"
+        idempotency_heartbeat_ttl_s = 30.0
+
+        def run(self) -> None:
+            return None
+
+        def rollback(self, exc: BaseException, task_id: str, args: Any, kwargs: Any) -> None:
+            calls.append(task_id)
+
+    task = app.register_task(Undo())
+    app.backend.client.set(app.backend.token_counter_key, 10**6)  # token 5 counts as issued
+    tid = ids["t1"]
+    led = KeyLedger(app.backend, app.backend.crawl_config.namespace, tid, 30.0)
+    assert led.begin(tid, "5", "run-a").kind == "run"
+    assert led.rollback_begin("run-a", "5", final=False, failure="{}") == "go"  # run-a rolls back
+    t0 = time.monotonic()
+    outcome = task.crawl_on_poison(tid, (), {}, "delivered 5 times", token=5, hostname="w")
+    assert outcome == ROLLBACK_PENDING and calls == []
+    assert time.monotonic() - t0 < 5, "the consumer must not wait for run-a's rollback"
+    assert app.backend.get_task_meta(tid, cache=False)["status"] == states.FAILURE

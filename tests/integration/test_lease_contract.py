@@ -1,8 +1,9 @@
 """The lease-store contract, one body per test, run against a real Redis and a real etcd.
 
 The umbrella fixtures ``store`` (a shared server, a fresh namespace per test) and ``fresh`` (a
-private server the test may restart, stop or freeze) are parametrized over both drivers, so
-every statement below holds for each of them.
+private server the test may restart, stop or freeze) are parametrized over both drivers, and
+over a Redis Cluster of three masters (``redis+cluster://``; the faults hit the master owning
+the namespace's slot), so every statement below holds for each of them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,35 @@ from celery_crawl.errors import (
     StoreUnavailable,
 )
 from celery_crawl.leases import Lease, LeaseStore, StoreDiagnostics, open_store
+from tests.clusters import RedisCluster3, running_redis_cluster
 from tests.servers import EtcdServer, RedisServer, free_port, wait_until
+
+
+class ClusterTarget:
+    """A Redis Cluster seen as the one server a namespace lives on: its slot's master takes
+    the faults (restart, stop, freeze); the URL names the cluster."""
+
+    def __init__(self, cluster: RedisCluster3) -> None:
+        self.cluster = cluster
+        self.namespace = ""
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url
+
+    @property
+    def owner(self) -> RedisServer:
+        return self.cluster.owner(f"{{{self.namespace}}}:token")
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.owner.proc
+
+    def restart(self) -> None:
+        self.owner.restart()
+
+    def stop(self) -> None:
+        self.owner.stop()
 
 ROOT = Path(__file__).resolve().parents[2]
 #: etcd's floor; Redis takes the same so one body fits both.
@@ -49,7 +78,7 @@ class Backend:
     """A real server behind a store, with the fault injections a test may apply."""
 
     kind: str
-    server: RedisServer | EtcdServer
+    server: RedisServer | EtcdServer | ClusterTarget
     opened: list[LeaseStore] = dataclasses.field(default_factory=list)
 
     @property
@@ -64,6 +93,8 @@ class Backend:
     def open(self, namespace: str | None = None, **kw: Any) -> LeaseStore:
         store = open_store(self.url, namespace=namespace or f"ns{uuid.uuid4().hex[:8]}", **kw)
         self.opened.append(store)
+        if isinstance(self.server, ClusterTarget):
+            self.server.namespace = store.namespace
         return store
 
     def restart(self) -> None:
@@ -80,7 +111,10 @@ class Backend:
     def write_garbage(self, store: LeaseStore, logical_key: str) -> None:
         """Put bytes celery-crawl never writes where a record lives."""
         physical = f"{store.namespace}:rec:{logical_key}"
-        if isinstance(self.server, RedisServer):
+        if isinstance(self.server, ClusterTarget):
+            physical = f"{{{store.namespace}}}:rec:{logical_key}"
+            self.server.owner.client().hset(physical, "v", b"\x80not json")
+        elif isinstance(self.server, RedisServer):
             self.server.client().hset(physical, "v", b"\x80not json")
         else:
             subprocess.run(
@@ -93,10 +127,14 @@ class Backend:
             store.close()
 
 
-@pytest.fixture(params=["redis", "etcd"])
+@pytest.fixture(params=["redis", "etcd", "redis-cluster"])
 def store_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """The session's server of one kind; tests isolate themselves by namespace."""
-    server = request.getfixturevalue(f"{request.param}_server")
+    server: RedisServer | EtcdServer | ClusterTarget
+    if request.param == "redis-cluster":
+        server = ClusterTarget(request.getfixturevalue("redis_cluster"))
+    else:
+        server = request.getfixturevalue(f"{request.param}_server")
     backend = Backend(request.param, server)
     yield backend
     backend.close()
@@ -107,9 +145,17 @@ def store(store_backend: Backend) -> LeaseStore:
     return store_backend.open()
 
 
-@pytest.fixture(params=["redis", "etcd"])
+@pytest.fixture(params=["redis", "etcd", "redis-cluster"])
 def fresh(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """A private server of one kind, to restart, stop or freeze."""
+    if request.param == "redis-cluster":
+        with running_redis_cluster() as cluster:
+            backend = Backend(request.param, ClusterTarget(cluster))
+            yield backend
+            with contextlib.suppress(ProcessLookupError, AssertionError):
+                backend.thaw()
+            backend.close()
+        return
     server = request.getfixturevalue("fresh_redis" if request.param == "redis" else "fresh_etcd")
     backend = Backend(request.param, server)
     yield backend
@@ -326,7 +372,7 @@ def test_unreachable_store_fails_within_its_timeout_never_hangs(fresh: Backend) 
     fresh.server.stop()
     _raises_within(0.5 * 3 + 1.0, StoreError, lambda: store.acquire("x", TTL_S, "b"))
     port = free_port()
-    scheme = "redis" if fresh.kind == "redis" else "etcd"
+    scheme = {"redis": "redis", "redis-cluster": "redis+cluster"}.get(fresh.kind, "etcd")
     dead = open_store(f"{scheme}://127.0.0.1:{port}", namespace="x", timeout_s=0.5)
     try:
         _raises_within(0.5 * 3 + 1.0, StoreUnavailable, lambda: dead.holder("x"))
@@ -399,7 +445,7 @@ def test_misc_server_time_ping_and_durability(store_backend: Backend, store: Lea
     assert store.ping() < 2.0
     assert isinstance(store, StoreDiagnostics)
     server = store.server_time()
-    if store_backend.kind == "redis":
+    if store_backend.kind.startswith("redis"):
         assert server is not None and abs(server - time.time()) < 5
         assert store.persistence()["persistent"] is False
     else:

@@ -4,12 +4,13 @@ Redis replicates asynchronously. These tests show, on a real primary + replica, 
 costs (docs/durability.md states it for users):
 
 * promoting the replica while the old primary still runs splits the brain: both sides grant the
-  leader lease, and both issue the *same* fencing token numbers;
+  leader lease (each side's tokens stay above every token issued before the split);
 * ``crawl_redis_wait_replicas`` makes the old side fail closed (renewals and acquisitions need an
   acknowledgement that no longer comes), but claims and fenced record writes are only counted
   as unacknowledged, not refused;
 * promoting a lagging replica after the primary died loses acknowledged writes: slot state goes
-  back and tokens already issued are issued again.
+  back, but no token already issued is issued again (a token is max(INCR, TIME in us)), nor
+  after a restart from an older RDB snapshot.
 
 etcd replicates through raft: killing the leader member and then a follower, leases, tokens and
 records come through, and the leader change extends every lease (by the election timeout).
@@ -18,6 +19,7 @@ records come through, and the leader change extends every lease (by the election
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Iterator
 
@@ -27,7 +29,7 @@ from celery_crawl import keys
 from celery_crawl.errors import LeaseLost, StoreError
 from celery_crawl.leases import Lease, LeaseStore, open_store
 from tests.clusters import EtcdCluster, RedisReplicaPair, etcd_cluster, redis_replica_pair
-from tests.servers import wait_until
+from tests.servers import RedisServer, wait_until
 
 __all__ = ["etcd_cluster", "redis_replica_pair"]  # fixtures used by the tests below
 
@@ -95,10 +97,11 @@ def test_promotion_while_old_primary_runs_splits_leases_and_tokens(
     assert old.holder(LEADER) == ("beat-a", a.token)
     assert new.holder(LEADER) == ("beat-b", b.token)
 
-    # Both sides continue the same counter: the same token number is issued twice.
+    # Both sides continue from the same counter, but a token is max(INCR, TIME in us): each
+    # side's next token is above every token issued before the split, and the two do not meet.
     w = old.acquire(keys.worker_lease("w1"), TTL_S, "w1")
     assert w is not None
-    assert w.token == b.token, "two primaries issued the same fencing token"
+    assert w.token > a.token and w.token != b.token
 
     # Slot state diverges: each side accepts the writes of its own leader.
     old.put(SLOT, {"last_slot": "10:00:02", "by": "a"}, lease=a)
@@ -141,7 +144,7 @@ def test_wait_replicas_makes_the_cut_off_primary_fail_closed(
     assert b.token > a.token
 
 
-def test_lagging_replica_promoted_after_primary_death_loses_writes_and_reuses_tokens(
+def test_lagging_replica_promoted_after_primary_death_loses_writes_but_not_tokens(
     redis_replica_pair: RedisReplicaPair, stores: list[LeaseStore]
 ) -> None:
     pair = redis_replica_pair
@@ -163,9 +166,34 @@ def test_lagging_replica_promoted_after_primary_death_loses_writes_and_reuses_to
     new = _open(stores, pair.replica.url)
     assert new.get(SLOT) == {"last_slot": "10:00:01"}, "acknowledged slot state went back"
     assert new.claimant(keys.task_claim("prices-10:00:05")) is None, "the claim is lost"
+    assert int(pair.replica.client().get(f"{NS}:token")) < issued, "the counter went back"
     b = _acquire_eventually(new, LEADER, "beat-b", 3 * TTL_S)
-    assert b.token > a.token
-    assert b.token <= issued, "a token already issued on the dead primary is issued again"
+    assert b.token > issued, "a token at or below one the dead primary issued was issued again"
+
+
+def test_restart_from_an_older_rdb_snapshot_never_issues_a_token_again(
+    fresh_redis: RedisServer, stores: list[LeaseStore]
+) -> None:
+    store = _open(stores, fresh_redis.url)
+    first = store.acquire(keys.worker_lease("w0"), TTL_S, "w0")
+    assert first is not None
+    client = fresh_redis.client()
+    client.save()
+    older = fresh_redis.dir / "older.rdb"
+    shutil.copyfile(fresh_redis.dir / "dump.rdb", older)  # the snapshot a backup restores
+    issued = [store.acquire(keys.worker_lease(f"w{i}"), TTL_S, f"w{i}") for i in range(1, 4)]
+    top = max(lease.token for lease in issued if lease is not None)
+    store.close()
+
+    fresh_redis.stop()
+    shutil.copyfile(older, fresh_redis.dir / "dump.rdb")
+    fresh_redis.start()
+    assert int(fresh_redis.client().get(f"{NS}:token")) < top, "the counter went back"
+    again = _open(stores, fresh_redis.url)
+    tokens = [again.acquire(keys.worker_lease(f"v{i}"), TTL_S, f"v{i}") for i in range(3)]
+    assert all(t is not None and t.token > top for t in tokens), (
+        f"tokens {[t and t.token for t in tokens]} after the restore, {top} issued before")
+    assert len({t.token for t in tokens if t is not None}) == 3
 
 
 # -- etcd: raft ---------------------------------------------------------------------------------
