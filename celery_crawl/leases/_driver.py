@@ -17,7 +17,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigError, StoreDataError, UnsupportedSetup
+from ..errors import (
+    ConfigError,
+    FencedError,
+    LeaseLost,
+    NotLeader,
+    StoreDataError,
+    UnsupportedSetup,
+)
 from ._urls import masked_url
 from .base import DRIFT, MARGIN_S, Characteristic, Lease
 
@@ -127,6 +134,23 @@ class StoreDriver:
                 f"used in its forked child {os.getpid()}; {self._fork_reason}, so open the store "
                 f"in the main process only (beat, worker main process)"
             )
+
+    # -- the errors every driver raises alike --------------------------------------------------
+    def _not_leader(self, lease: Lease, refused: str) -> NotLeader:
+        """A fenced call refused because ``lease`` is not current (``refused``: what was, e.g.
+        ``"write to 'slot'"``)."""
+        return NotLeader(f"{self.url}: {refused} refused: lease {lease.name!r} "
+                         f"(token {lease.token}) is not current")
+
+    def _fenced(self, lease: Lease, key: str) -> FencedError:
+        """A fenced write refused because ``key`` was written with a newer token."""
+        return FencedError(f"{self.url}: write to {key!r} refused: it was written with a newer "
+                           f"token than {lease.token}")
+
+    def _cannot_claim(self, lease: Lease) -> LeaseLost:
+        """A claim refused because ``lease`` is not held."""
+        return LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: it is gone or "
+                         f"held by another holder")
 
     # -- the operations written once ---------------------------------------------------------
     def _now(self) -> float:

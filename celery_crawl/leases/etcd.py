@@ -62,9 +62,7 @@ from typing import Any
 
 from ..errors import (
     ConfigError,
-    FencedError,
     LeaseLost,
-    NotLeader,
     RecordChanged,
     StoreDataError,
     StoreError,
@@ -821,16 +819,14 @@ class EtcdLeaseStore(StoreDriver):
             for key, rr in zip(keys, read.responses, strict=True):
                 kvs = rr.response_range.kvs
                 if kvs and _stored_token(kvs[0].value, key) > lease.token:
-                    raise FencedError(f"{self.url}: write to {key!r} refused: it was written "
-                                      f"with a newer token than {lease.token}")
+                    raise self._fenced(lease, key)
                 compare.append(self._cmp(self._k("rtok", key), "MOD", "EQUAL",
                                          kvs[0].mod_revision if kvs else 0))
             resp = self._txn(what, compare, ops)
             if resp.succeeded:
                 return resp
             if self.holder(lease.name) != (lease.holder, lease.token):
-                raise NotLeader(f"{self.url}: write to {(keys or ['?'])[0]!r} refused: lease "
-                                f"{lease.name!r} (token {lease.token}) is not current")
+                raise self._not_leader(lease, f"write to {(keys or ['?'])[0]!r}")
             if also:
                 return resp  # the caller tells which of its own compares failed
         raise StoreError(f"{self.url}: {what} of {keys[0]!r} kept racing with other writers")
@@ -887,8 +883,7 @@ class EtcdLeaseStore(StoreDriver):
             if resp.succeeded:  # foreign items are already off the queue: log, never block
                 return decoded_items([kv.value for kv in kvs], queue, url=self.url, log=log)
             if lease is not None and self.holder(lease.name) != (lease.holder, lease.token):
-                raise NotLeader(f"{self.url}: pop from {queue!r} refused: lease "
-                                f"{lease.name!r} (token {lease.token}) is not current")
+                raise self._not_leader(lease, f"pop from {queue!r}")
         raise StoreError(f"{self.url}: pop_all of {queue!r} kept racing with other consumers")
 
     def peek(self, queue: str, *, limit: int = 100) -> Taken:

@@ -35,9 +35,7 @@ from typing import Any
 
 from ..errors import (
     ConfigError,
-    FencedError,
     LeaseLost,
-    NotLeader,
     RecordChanged,
     StoreError,
     StoreTimeout,
@@ -225,15 +223,12 @@ class MemoryLeaseStore(StoreDriver):
         """Refuse a write by a lease that is not current, or over a newer writer token."""
         if lease is None:
             return
-        what = ", ".join(keys) or "?"
         if not self._current(space, lease):
-            raise NotLeader(f"{self.url}: write to {what!r} refused: lease {lease.name!r} "
-                            f"(token {lease.token}) is not current")
+            raise self._not_leader(lease, f"write to {', '.join(keys) or '?'!r}")
         for key in keys:
             rec = self._record(space, key)
             if rec is not None and rec.writer is not None and rec.writer > lease.token:
-                raise FencedError(f"{self.url}: write to {key!r} refused: it was written with "
-                                  f"a newer token than {lease.token}")
+                raise self._fenced(lease, key)
 
     def _write(self, space: _Space, key: str, value: str, lease: Lease | None,
                expires_at: float | None) -> None:
@@ -306,8 +301,7 @@ class MemoryLeaseStore(StoreDriver):
         values = [dumps(value, key) for key, value in items]
         with self._op("claim") as space:
             if not self._current(space, lease):
-                raise LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: it is "
-                                f"gone or held by another holder")
+                raise self._cannot_claim(lease)
             return [self._claim_one(space, lease, key, value)
                     for (key, _), value in zip(items, values, strict=True)]
 
@@ -326,8 +320,7 @@ class MemoryLeaseStore(StoreDriver):
         doc = dumps(value, key)
         with self._op("claim") as space:
             if not self._current(space, lease):
-                raise LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: it is "
-                                f"gone or held by another holder")
+                raise self._cannot_claim(lease)
             rec = self._record(space, record)
             if (str(rec.revision) if rec is not None else "") != version:
                 raise RecordChanged(f"{self.url}: claim of {key!r} refused: record {record!r} "
@@ -434,8 +427,7 @@ class MemoryLeaseStore(StoreDriver):
         """Take up to ``limit`` items from the head of the queue atomically."""
         with self._op("pop") as space:
             if lease is not None and not self._current(space, lease):
-                raise NotLeader(f"{self.url}: pop from {queue!r} refused: lease "
-                                f"{lease.name!r} (token {lease.token}) is not current")
+                raise self._not_leader(lease, f"pop from {queue!r}")
             items = self._queue(space, queue)
             raws = [items.popleft()[1] for _ in range(min(max(0, limit), len(items)))]
         return decoded_items(raws, queue, url=self.url, log=log)

@@ -68,9 +68,7 @@ from redis.retry import Retry
 
 from ..errors import (
     ConfigError,
-    FencedError,
     LeaseLost,
-    NotLeader,
     RecordChanged,
     StoreDataError,
     StoreError,
@@ -675,11 +673,9 @@ class RedisLeaseStore(StoreDriver):
 
     def _check_fence(self, code: int, lease: Lease | None, key: str) -> None:
         if code == -1 and lease is not None:
-            raise NotLeader(f"{self.url}: write to {key!r} refused: lease {lease.name!r} "
-                            f"(token {lease.token}) is not current")
+            raise self._not_leader(lease, f"write to {key!r}")
         if code == -2 and lease is not None:
-            raise FencedError(f"{self.url}: write to {key!r} refused: it was written with a "
-                              f"newer token than {lease.token}")
+            raise self._fenced(lease, key)
         if code == -3:
             raise StoreDataError(f"{self.url}: write to {key!r} refused: its stored writer "
                                  f"token is not a number (data celery-crawl did not write)")
