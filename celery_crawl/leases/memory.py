@@ -297,8 +297,10 @@ class MemoryLeaseStore(StoreDriver):
     def claim_many(self, lease: Lease, items: Sequence[tuple[str, Mapping[str, Any]]]
                    ) -> list[int | None]:
         """``claim`` for every item in one atomic step (a key given twice: the second is
-        refused, the first claim is live)."""
+        refused, the first claim is live). No items: nothing asked, nothing checked."""
         values = [dumps(value, key) for key, value in items]
+        if not values:
+            return []
         with self._op("claim") as space:
             if not self._current(space, lease):
                 raise self._cannot_claim(lease)
@@ -373,9 +375,12 @@ class MemoryLeaseStore(StoreDriver):
     # -- records ----------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[str, Mapping[str, Any]]], *,
                  lease: Lease | None = None, ttl_s: float | None = None) -> None:
-        """Write records atomically: every fence is checked before any write."""
+        """Write records atomically: every fence is checked before any write. No items: nothing
+        asked, nothing checked."""
         ttl = None if ttl_s is None else self._ttl(ttl_s, "ttl_s")
         values = [dumps(value, key) for key, value in items]
+        if not values:
+            return
         with self._op("put") as space:
             self._fence(space, lease, [key for key, _ in items])
             expires_at = None if ttl is None else space.clock() + ttl
