@@ -9,7 +9,8 @@ else is parsed, and masking never depends on ``urlsplit`` succeeding.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..errors import ConfigError
@@ -60,20 +61,22 @@ def endpoint(text: str, default_port: int, *, masked: str, bad: str) -> tuple[st
         raise ConfigError(f"crawl_lease_url: {masked!r}: {bad}") from None
 
 
-def query_options(query: str, known: Sequence[str], *, masked: str, secure: bool,
-                  needs: str) -> dict[str, str]:
-    """The URL's query options (the last value of each); only ``known`` ones, and only on a
-    ``secure`` scheme: a typo in a TLS option must not silently turn verification off.
+def query_options(query: str, known: Sequence[str], *, masked: str, secure: bool, needs: str,
+                  convert: Callable[[str, str], Any] | None = None) -> dict[str, Any]:
+    """The URL's query options (the last value of each, passed through ``convert(name, value)``
+    when given); only ``known`` ones, and only on a ``secure`` scheme: a typo in a TLS option must
+    not silently turn verification off. Options are checked in the URL's order.
 
     Raises:
-        ConfigError: an unknown option, or one given without TLS (the message names ``needs``).
+        ConfigError: an unknown option, or one given without TLS (the message names ``needs``),
+            or what ``convert`` raises.
     """
-    options: dict[str, str] = {}
+    options: dict[str, Any] = {}
     for name, values in parse_qs(query, keep_blank_values=True).items():
         if name not in known:
             raise ConfigError(f"crawl_lease_url: {masked!r}: unknown option {name!r} "
                               f"(known: {', '.join(known)})")
         if not secure:
             raise ConfigError(f"crawl_lease_url: {masked!r}: {name!r} needs {needs}")
-        options[name] = values[-1]
+        options[name] = values[-1] if convert is None else convert(name, values[-1])
     return options

@@ -143,18 +143,19 @@ def parse_redis_url(url: str) -> dict[str, Any]:
         "username": user,
         "password": password,
     }
-    options = query_options(parts.query, _SSL_OPTIONS, masked=masked, secure=scheme == "rediss",
-                            needs="rediss://")
-    for name, value in options.items():
-        if name == "ssl_cert_reqs":
-            if value.lower() not in _CERT_REQS:
-                raise ConfigError(
-                    f"crawl_lease_url: {masked!r}: ssl_cert_reqs must be one of "
-                    f"{', '.join(_CERT_REQS)}, got {value!r}"
-                )
-            kwargs[name] = _CERT_REQS[value.lower()]
-        else:
-            kwargs[name] = value
+
+    def convert(name: str, value: str) -> Any:
+        if name != "ssl_cert_reqs":
+            return value
+        if value.lower() not in _CERT_REQS:
+            raise ConfigError(
+                f"crawl_lease_url: {masked!r}: ssl_cert_reqs must be one of "
+                f"{', '.join(_CERT_REQS)}, got {value!r}"
+            )
+        return _CERT_REQS[value.lower()]
+
+    kwargs.update(query_options(parts.query, _SSL_OPTIONS, masked=masked,
+                                secure=scheme == "rediss", needs="rediss://", convert=convert))
     if scheme == "rediss":
         kwargs["ssl"] = True
     return kwargs
