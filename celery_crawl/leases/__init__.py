@@ -3,8 +3,11 @@
 ``redis://`` and ``rediss://`` open :class:`~celery_crawl.leases.redis.RedisLeaseStore`;
 ``etcd://``, ``etcd+http://`` and ``etcd+https://`` open
 :class:`~celery_crawl.leases.etcd.EtcdLeaseStore` (imported lazily: it needs the optional ``etcd``
-extra, grpcio and protobuf, which a Redis-only install does not have). Each driver's module
-docstring gives its URL grammar.
+extra, grpcio and protobuf, which a Redis-only install does not have); ``memory://name`` opens
+:class:`~celery_crawl.leases.memory.MemoryLeaseStore`, in-process, for tests and single-process
+demos (``crawl_lease_url`` does not accept it: it is never a deployment's store). Each driver's
+module docstring gives its URL grammar; the operations they share are written once in
+:mod:`~celery_crawl.leases._driver`.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ def open_store(url: str, *, namespace: str, timeout_s: float = 2.0,
     """Open the lease store ``url`` for ``namespace``.
 
     Args:
-        url: ``redis://``, ``rediss://``, ``etcd://``, ``etcd+http://`` or ``etcd+https://``.
+        url: ``redis://``, ``rediss://``, ``etcd://``, ``etcd+http://``, ``etcd+https://``, or
+            ``memory://name`` (in this process only; see :mod:`~celery_crawl.leases.memory`).
         namespace: prefix of every key, so several apps can share one store.
         timeout_s: bound of every store call.
         redis_wait_replicas: Redis only; ``WAIT`` for this many replicas after lease writes.
@@ -70,6 +74,12 @@ def open_store(url: str, *, namespace: str, timeout_s: float = 2.0,
             an etcd URL without the ``etcd`` extra installed (the message names the extra).
     """
     scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme == "memory":
+        if redis_wait_replicas:
+            raise ConfigError("crawl_redis_wait_replicas: only applies to a Redis lease store")
+        from .memory import MemoryLeaseStore
+
+        return MemoryLeaseStore(url, namespace=namespace, timeout_s=timeout_s)
     if scheme not in LEASE_SCHEMES:
         raise ConfigError(
             f"crawl_lease_url: unknown scheme {scheme!r} in {mask_url(url)!r} "

@@ -9,9 +9,13 @@ else is parsed, and masking never depends on ``urlsplit`` succeeding.
 from __future__ import annotations
 
 import re
-from urllib.parse import unquote
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
-__all__ = ["masked_url", "split_credentials"]
+from ..errors import ConfigError
+
+__all__ = ["endpoint", "masked_url", "query_options", "split_credentials"]
 
 _SECRET_OPTIONS = re.compile(r"(?i)([?&](?:password|passwd|pass|token|secret)=)[^&#]*")
 
@@ -41,3 +45,38 @@ def masked_url(url: str) -> str:
         user, colon, _ = rest[:at].partition(":")
         rest = f"{user}:***@{rest[at + 1:]}" if colon else rest
     return f"{scheme}://" + _SECRET_OPTIONS.sub(r"\1***", rest)
+
+
+def endpoint(text: str, default_port: int, *, masked: str, bad: str) -> tuple[str | None, int]:
+    """``(host, port)`` of one ``host[:port]`` (anything after it, a path or query, is ignored).
+
+    Raises:
+        ConfigError: naming ``crawl_lease_url``, the masked URL and ``bad`` (never the parser's
+            own text, which would quote URL parts).
+    """
+    try:
+        parts = urlsplit(f"//{text}")
+        return parts.hostname, parts.port or default_port
+    except ValueError:
+        raise ConfigError(f"crawl_lease_url: {masked!r}: {bad}") from None
+
+
+def query_options(query: str, known: Sequence[str], *, masked: str, secure: bool, needs: str,
+                  convert: Callable[[str, str], Any] | None = None) -> dict[str, Any]:
+    """The URL's query options (the last value of each, passed through ``convert(name, value)``
+    when given); only ``known`` ones, and only on a ``secure`` scheme: a typo in a TLS option must
+    not silently turn verification off. Options are checked in the URL's order.
+
+    Raises:
+        ConfigError: an unknown option, or one given without TLS (the message names ``needs``),
+            or what ``convert`` raises.
+    """
+    options: dict[str, Any] = {}
+    for name, values in parse_qs(query, keep_blank_values=True).items():
+        if name not in known:
+            raise ConfigError(f"crawl_lease_url: {masked!r}: unknown option {name!r} "
+                              f"(known: {', '.join(known)})")
+        if not secure:
+            raise ConfigError(f"crawl_lease_url: {masked!r}: {name!r} needs {needs}")
+        options[name] = values[-1] if convert is None else convert(name, values[-1])
+    return options

@@ -52,6 +52,9 @@ class Characteristic(enum.Enum):
     HAS_CLOCK = "has-clock"
     #: The store can tell whether a token was issued (Redis token counter on the same server).
     TOKEN_ISSUANCE_CHECK = "token-issuance-check"
+    #: Other processes (other hosts, a restarted process) see the same leases: the store lives
+    #: outside the caller (Redis, etcd; not ``memory://``).
+    MULTI_PROCESS = "multi-process"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

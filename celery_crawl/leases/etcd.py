@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import math
 import os
@@ -60,24 +59,22 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from ..errors import (
     ConfigError,
-    FencedError,
     LeaseLost,
-    NotLeader,
     RecordChanged,
     StoreDataError,
     StoreError,
     StoreTimeout,
     StoreUnavailable,
-    UnsupportedSetup,
 )
 from ._buckets import ExpiryBuckets
+from ._driver import StoreDriver, decoded_items, dumps
+from ._driver import loads as _loads
+from ._urls import endpoint, query_options, split_credentials
 from ._urls import masked_url as mask_url
-from ._urls import split_credentials
-from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease, Taken
+from .base import Characteristic, Claim, Lease, Taken
 
 __all__ = ["ETCD_MIN_TTL_S", "EXTRA", "EtcdLeaseStore", "import_etcdrpc", "parse_etcd_url",
            "python_etcd3"]
@@ -169,22 +166,12 @@ def parse_etcd_url(url: str) -> dict[str, Any]:
     netloc = netloc_path.split("/", 1)[0]
     endpoints: list[tuple[str, int]] = []
     for part in netloc.split(","):
-        try:
-            parts = urlsplit(f"//{part}")
-            port = parts.port or 2379
-        except ValueError:
-            raise ConfigError(f"crawl_lease_url: {masked!r}: bad endpoint {part!r}") from None
-        if not parts.hostname:
+        host, port = endpoint(part, 2379, masked=masked, bad=f"bad endpoint {part!r}")
+        if not host:
             raise ConfigError(f"crawl_lease_url: {masked!r}: empty host in {part!r}")
-        endpoints.append((parts.hostname, port))
-    tls: dict[str, str] = {}
-    for name, values in parse_qs(query, keep_blank_values=True).items():
-        if name not in _TLS_OPTIONS:
-            raise ConfigError(f"crawl_lease_url: {masked!r}: unknown option {name!r} "
-                              f"(known: {', '.join(_TLS_OPTIONS)})")
-        if scheme != "etcd+https":
-            raise ConfigError(f"crawl_lease_url: {masked!r}: {name!r} needs etcd+https://")
-        tls[name] = values[-1]
+        endpoints.append((host, port))
+    tls = query_options(query, _TLS_OPTIONS, masked=masked, secure=scheme == "etcd+https",
+                        needs="etcd+https://")
     if ("cert_cert" in tls) != ("cert_key" in tls):
         raise ConfigError(f"crawl_lease_url: {masked!r}: cert_cert and cert_key go together")
     return {"endpoints": endpoints, "user": user, "password": password,
@@ -213,16 +200,6 @@ def _pad(token: int) -> bytes:
     return f"{token:020d}".encode()
 
 
-def _loads(raw: bytes, key: str) -> dict[str, Any]:
-    try:
-        value = json.loads(raw)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise StoreDataError(f"key {key!r} holds non-JSON data: {raw[:80]!r}") from exc
-    if not isinstance(value, dict):
-        raise StoreDataError(f"key {key!r} holds {type(value).__name__}, not a JSON object")
-    return value
-
-
 def _name(raw: bytes, strip: int) -> str | None:
     """A key name after its prefix, or None when it is not UTF-8 (not written by us)."""
     try:
@@ -238,18 +215,12 @@ def _holder_of(raw: bytes, name: str) -> str:
     return holder
 
 
-#: One encoder for every value (``json.dumps`` with options builds a new one per call).
-_ENCODER = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
-
-
 def _dumps(value: Mapping[str, Any], key: str) -> bytes:
-    try:
-        return _ENCODER.encode(value).encode()
-    except (TypeError, ValueError) as exc:
-        raise StoreDataError(f"value for {key!r} is not JSON-serializable: {exc}") from exc
+    """The shared codec's text as etcd's bytes."""
+    return dumps(value, key).encode()
 
 
-class EtcdLeaseStore:
+class EtcdLeaseStore(StoreDriver):
     """``LeaseStore`` on an etcd v3 cluster.
 
     Args:
@@ -261,17 +232,14 @@ class EtcdLeaseStore:
         round_trips: gRPC calls made so far.
     """
 
-    characteristics = frozenset({Characteristic.MONOTONIC_TOKENS, Characteristic.LINEARIZABLE})
+    characteristics = frozenset({Characteristic.MONOTONIC_TOKENS, Characteristic.LINEARIZABLE,
+                                 Characteristic.MULTI_PROCESS})
+    _kind = "etcd"
+    _fork_reason = "gRPC channels do not survive fork()"
 
     def __init__(self, url: str, *, namespace: str, timeout_s: float = 2.0) -> None:
-        if timeout_s <= 0:
-            raise ConfigError(f"crawl_store_timeout: must be positive, got {timeout_s}")
-        self.url = mask_url(url)
-        self.namespace = namespace
-        self.timeout_s = float(timeout_s)
-        self.round_trips = 0
+        super().__init__(url, namespace=namespace, timeout_s=timeout_s)
         self._prefix = f"{namespace}:"
-        self._pid = os.getpid()
         self._rpc = import_etcdrpc()
         import grpc
 
@@ -336,12 +304,7 @@ class EtcdLeaseStore:
     def _translate(self, what: str, timeout_s: float | None = None) -> Iterator[None]:
         """Map gRPC errors to the ``StoreError`` tree, naming the masked URL."""
         grpc = self._grpc
-        if os.getpid() != self._pid:
-            raise UnsupportedSetup(
-                f"{self.url}: the etcd lease store was opened in process {self._pid} and used in "
-                f"its forked child {os.getpid()}; gRPC channels do not survive fork(), so open "
-                f"the store in the main process only (beat, worker main process)"
-            )
+        self._refuse_forked_child()
         try:
             yield
         except grpc.RpcError as exc:
@@ -419,10 +382,6 @@ class EtcdLeaseStore:
 
     def _k(self, kind: str, name: str) -> bytes:
         return f"{self._prefix}{kind}:{name}".encode()
-
-    @staticmethod
-    def _now() -> float:
-        return time.clock_gettime(time.CLOCK_BOOTTIME)
 
     @staticmethod
     def whole_ttl(ttl_s: float, what: str = "ttl") -> int:
@@ -544,7 +503,7 @@ class EtcdLeaseStore:
         if resp.succeeded:
             return Lease(name=name, holder=holder, token=int(resp.header.revision),
                          ttl_s=float(min(ttl, granted)),
-                         valid_until=t_send + min(ttl, granted) * (1 - DRIFT) - MARGIN_S,
+                         valid_until=self._valid_until(t_send, min(ttl, granted)),
                          handle=lease_id)
         self._revoke(lease_id)
         kvs = resp.responses[0].response_range.kvs
@@ -558,7 +517,7 @@ class EtcdLeaseStore:
         if left <= 0:
             return None
         return Lease(name=name, holder=holder, token=int(existing.create_revision),
-                     ttl_s=float(left), valid_until=t_send + left * (1 - DRIFT) - MARGIN_S,
+                     ttl_s=float(left), valid_until=self._valid_until(t_send, left),
                      handle=int(existing.lease))
 
     def renew(self, lease: Lease, *, timeout_s: float | None = None) -> Lease:
@@ -570,7 +529,7 @@ class EtcdLeaseStore:
         if left <= 0:
             raise LeaseLost(f"{self.url}: lease {lease.name!r} (token {lease.token}) expired")
         return Lease(name=lease.name, holder=lease.holder, token=lease.token,
-                     ttl_s=lease.ttl_s, valid_until=t_send + left * (1 - DRIFT) - MARGIN_S,
+                     ttl_s=lease.ttl_s, valid_until=self._valid_until(t_send, left),
                      handle=lease.handle)
 
     def release(self, lease: Lease) -> None:
@@ -597,10 +556,6 @@ class EtcdLeaseStore:
         return None if resp.TTL <= 0 else float(resp.TTL)
 
     # -- claims -----------------------------------------------------------------------------
-    def claim(self, lease: Lease, key: str, value: Mapping[str, Any]) -> int | None:
-        """Create claim ``key`` unless a live one exists (its marker died with its lease)."""
-        return self.claim_many(lease, [(key, value)])[0]
-
     def claim_many(
         self, lease: Lease, items: Sequence[tuple[str, Mapping[str, Any]]]
     ) -> list[int | None]:
@@ -821,11 +776,6 @@ class EtcdLeaseStore:
         return bool(resp.succeeded)
 
     # -- records ----------------------------------------------------------------------------
-    def put(self, key: str, value: Mapping[str, Any], *, lease: Lease | None = None,
-            ttl_s: float | None = None) -> None:
-        """Write one record (fenced by ``lease`` when given)."""
-        self.put_many([(key, value)], lease=lease, ttl_s=ttl_s)
-
     def put_many(self, items: Sequence[tuple[str, Mapping[str, Any]]], *,
                  lease: Lease | None = None, ttl_s: float | None = None) -> None:
         """Write records; each batch of up to 60 is one transaction (all-or-nothing).
@@ -869,23 +819,17 @@ class EtcdLeaseStore:
             for key, rr in zip(keys, read.responses, strict=True):
                 kvs = rr.response_range.kvs
                 if kvs and _stored_token(kvs[0].value, key) > lease.token:
-                    raise FencedError(f"{self.url}: write to {key!r} refused: it was written "
-                                      f"with a newer token than {lease.token}")
+                    raise self._fenced(lease, key)
                 compare.append(self._cmp(self._k("rtok", key), "MOD", "EQUAL",
                                          kvs[0].mod_revision if kvs else 0))
             resp = self._txn(what, compare, ops)
             if resp.succeeded:
                 return resp
             if self.holder(lease.name) != (lease.holder, lease.token):
-                raise NotLeader(f"{self.url}: write to {(keys or ['?'])[0]!r} refused: lease "
-                                f"{lease.name!r} (token {lease.token}) is not current")
+                raise self._not_leader(lease, f"write to {(keys or ['?'])[0]!r}")
             if also:
                 return resp  # the caller tells which of its own compares failed
         raise StoreError(f"{self.url}: {what} of {keys[0]!r} kept racing with other writers")
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        """A record, or None."""
-        return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
         """Records for ``keys``; one transaction per 128 keys."""
@@ -936,30 +880,18 @@ class EtcdLeaseStore:
             compare = self._lease_current(lease) if lease is not None else []
             compare += [self._cmp(kv.key, "MOD", "EQUAL", kv.mod_revision) for kv in kvs]
             resp = self._txn("pop_all", compare, [self._del(kv.key) for kv in kvs])
-            if resp.succeeded:
-                items = []
-                for kv in kvs:  # foreign items are already off the queue: log, never block
-                    try:
-                        items.append(_loads(kv.value, f"queue {queue!r}"))
-                    except StoreDataError as exc:
-                        log.warning("%s: dropped foreign data: %s", self.url, exc)
-                return items
+            if resp.succeeded:  # foreign items are already off the queue: log, never block
+                return decoded_items([kv.value for kv in kvs], queue, url=self.url, log=log)
             if lease is not None and self.holder(lease.name) != (lease.holder, lease.token):
-                raise NotLeader(f"{self.url}: pop from {queue!r} refused: lease "
-                                f"{lease.name!r} (token {lease.token}) is not current")
+                raise self._not_leader(lease, f"pop from {queue!r}")
         raise StoreError(f"{self.url}: pop_all of {queue!r} kept racing with other consumers")
 
     def peek(self, queue: str, *, limit: int = 100) -> Taken:
         """Read up to ``limit`` items from the head of the queue, removing none."""
         limit = max(1, min(limit, MAX_TXN_OPS - 2))
         kvs = self._range("peek", self._k("q", f"{queue}/"), sort_create=True, limit=limit)
-        items = []
-        for kv in kvs:
-            try:
-                items.append(_loads(kv.value, f"queue {queue!r}"))
-            except StoreDataError as exc:
-                log.warning("%s: foreign data in a queue (removed with the rest): %s",
-                            self.url, exc)
+        items = decoded_items([kv.value for kv in kvs], queue, url=self.url, log=log,
+                              note="foreign data in a queue (removed with the rest)")
         return Taken(queue, tuple(items), tuple((kv.key, kv.mod_revision) for kv in kvs))
 
     def put_and_ack(self, items: Sequence[tuple[str, Mapping[str, Any]]], taken: Taken, *,
@@ -988,11 +920,9 @@ class EtcdLeaseStore:
         """etcd has no clock: None (calibrate against a Redis instead)."""
         return None
 
-    def ping(self) -> float:
-        """Round-trip time of a ``Status`` call in seconds."""
-        t0 = self._now()
+    def _ping_once(self) -> None:
+        """A ``Status`` call."""
         self._call("ping", self._maint.Status, self._rpc.StatusRequest())
-        return self._now() - t0
 
     def watch_free(self, name: str, timeout_s: float) -> bool:
         """Poll ``holder`` every 0.1 s until lease ``name`` is free or ``timeout_s`` passes.
@@ -1021,6 +951,3 @@ class EtcdLeaseStore:
         """Close the gRPC channel."""
         with contextlib.suppress(Exception):
             self._channel.close()
-
-    def __repr__(self) -> str:
-        return f"EtcdLeaseStore({self.url!r}, namespace={self.namespace!r})"

@@ -47,14 +47,12 @@ renewal); claims and fenced writes log a warning and count it in ``unacked_write
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import ssl
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 import redis as redis_lib
 from redis.backoff import NoBackoff
@@ -70,9 +68,7 @@ from redis.retry import Retry
 
 from ..errors import (
     ConfigError,
-    FencedError,
     LeaseLost,
-    NotLeader,
     RecordChanged,
     StoreDataError,
     StoreError,
@@ -80,9 +76,12 @@ from ..errors import (
     StoreUnavailable,
     UnsupportedSetup,
 )
+from ._driver import StoreDriver, decoded_items
+from ._driver import dumps as _dumps
+from ._driver import loads as _loads
+from ._urls import endpoint, query_options, split_credentials
 from ._urls import masked_url as mask_url
-from ._urls import split_credentials
-from .base import DRIFT, MARGIN_S, Characteristic, Claim, Lease, Taken
+from .base import Characteristic, Claim, Lease, Taken
 
 __all__ = ["RedisLeaseStore", "is_cluster_url", "key_prefix", "parse_redis_url",
            "token_counter_key"]
@@ -130,43 +129,33 @@ def parse_redis_url(url: str) -> dict[str, Any]:
     if scheme not in ("redis", "rediss"):
         raise ConfigError(f"crawl_lease_url: {masked!r} is not a redis://, rediss://, "
                           f"redis+cluster:// or rediss+cluster:// URL")
-    try:
-        parts = urlsplit(f"//{rest}")
-        port = parts.port or 6379
-    except ValueError:
-        # The error text would quote URL parts; the masked URL says enough.
-        raise ConfigError(f"crawl_lease_url: {masked!r}: bad host or port") from None
+    host, port = endpoint(rest, 6379, masked=masked, bad="bad host or port")
+    parts = urlsplit(f"//{rest}")
     path = parts.path.strip("/") or "0"
     if not path.isdigit():
         raise ConfigError(f"crawl_lease_url: {masked!r}: database {path!r} is not a number")
     if cluster and int(path) != 0:
         raise ConfigError(f"crawl_lease_url: {masked!r}: a Redis Cluster has only database 0")
     kwargs: dict[str, Any] = {
-        "host": parts.hostname or "localhost",
+        "host": host or "localhost",
         "port": port,
         "db": int(path),
         "username": user,
         "password": password,
     }
-    query = parse_qs(parts.query, keep_blank_values=True)
-    for name, values in query.items():
-        if name not in _SSL_OPTIONS:
+
+    def convert(name: str, value: str) -> Any:
+        if name != "ssl_cert_reqs":
+            return value
+        if value.lower() not in _CERT_REQS:
             raise ConfigError(
-                f"crawl_lease_url: {masked!r}: unknown option {name!r} "
-                f"(known: {', '.join(_SSL_OPTIONS)})"
+                f"crawl_lease_url: {masked!r}: ssl_cert_reqs must be one of "
+                f"{', '.join(_CERT_REQS)}, got {value!r}"
             )
-        if scheme != "rediss":
-            raise ConfigError(f"crawl_lease_url: {masked!r}: {name!r} needs rediss://")
-        value = values[-1]
-        if name == "ssl_cert_reqs":
-            if value.lower() not in _CERT_REQS:
-                raise ConfigError(
-                    f"crawl_lease_url: {masked!r}: ssl_cert_reqs must be one of "
-                    f"{', '.join(_CERT_REQS)}, got {value!r}"
-                )
-            kwargs[name] = _CERT_REQS[value.lower()]
-        else:
-            kwargs[name] = value
+        return _CERT_REQS[value.lower()]
+
+    kwargs.update(query_options(parts.query, _SSL_OPTIONS, masked=masked,
+                                secure=scheme == "rediss", needs="rediss://", convert=convert))
     if scheme == "rediss":
         kwargs["ssl"] = True
     return kwargs
@@ -195,7 +184,7 @@ def _load_scripts() -> dict[str, _Script]:
     return scripts
 
 
-class RedisLeaseStore:
+class RedisLeaseStore(StoreDriver):
     """``LeaseStore`` on one Redis server (standalone or a Sentinel-managed primary).
 
     Args:
@@ -214,19 +203,15 @@ class RedisLeaseStore:
         Characteristic.MONOTONIC_TOKENS,
         Characteristic.HAS_CLOCK,
         Characteristic.TOKEN_ISSUANCE_CHECK,
+        Characteristic.MULTI_PROCESS,
     })
 
     def __init__(self, url: str, *, namespace: str, timeout_s: float = 2.0,
                  redis_wait_replicas: int = 0) -> None:
-        if timeout_s <= 0:
-            raise ConfigError(f"crawl_store_timeout: must be positive, got {timeout_s}")
+        super().__init__(url, namespace=namespace, timeout_s=timeout_s)
         if redis_wait_replicas < 0:
             raise ConfigError("crawl_redis_wait_replicas: must be >= 0")
-        self.url = mask_url(url)
-        self.namespace = namespace
-        self.timeout_s = float(timeout_s)
         self.wait_replicas = int(redis_wait_replicas)
-        self.round_trips = 0
         self.unacked_writes = 0
         self.cluster = is_cluster_url(url)
         self._prefix = key_prefix(namespace, cluster=self.cluster)
@@ -410,14 +395,6 @@ class RedisLeaseStore:
             return fn(*args)
 
     @staticmethod
-    def _valid_until(t_send: float, ttl_s: float) -> float:
-        return t_send + ttl_s * (1 - DRIFT) - MARGIN_S
-
-    @staticmethod
-    def _now() -> float:
-        return time.clock_gettime(time.CLOCK_BOOTTIME)
-
-    @staticmethod
     def _ttl_ms(ttl_s: float, what: str = "ttl") -> int:
         if not ttl_s > 0:
             raise ConfigError(f"{what}: must be positive, got {ttl_s!r}")
@@ -483,10 +460,6 @@ class RedisLeaseStore:
         return None if ms is None or ms < 0 else ms / 1000
 
     # -- claims -----------------------------------------------------------------------------
-    def claim(self, lease: Lease, key: str, value: Mapping[str, Any]) -> int | None:
-        """Create claim ``key`` bound to ``lease`` if absent or its claimant's lease is dead."""
-        return self.claim_many(lease, [(key, value)])[0]
-
     def claim_many(
         self, lease: Lease, items: Sequence[tuple[str, Mapping[str, Any]]]
     ) -> list[int | None]:
@@ -683,11 +656,6 @@ class RedisLeaseStore:
         return bool(reply)
 
     # -- records ----------------------------------------------------------------------------
-    def put(self, key: str, value: Mapping[str, Any], *, lease: Lease | None = None,
-            ttl_s: float | None = None) -> None:
-        """Write one record (fenced by ``lease`` when given)."""
-        self.put_many([(key, value)], lease=lease, ttl_s=ttl_s)
-
     def put_many(self, items: Sequence[tuple[str, Mapping[str, Any]]], *,
                  lease: Lease | None = None, ttl_s: float | None = None) -> None:
         """Write records atomically (one script per 500 records)."""
@@ -706,18 +674,12 @@ class RedisLeaseStore:
 
     def _check_fence(self, code: int, lease: Lease | None, key: str) -> None:
         if code == -1 and lease is not None:
-            raise NotLeader(f"{self.url}: write to {key!r} refused: lease {lease.name!r} "
-                            f"(token {lease.token}) is not current")
+            raise self._not_leader(lease, f"write to {key!r}")
         if code == -2 and lease is not None:
-            raise FencedError(f"{self.url}: write to {key!r} refused: it was written with a "
-                              f"newer token than {lease.token}")
+            raise self._fenced(lease, key)
         if code == -3:
             raise StoreDataError(f"{self.url}: write to {key!r} refused: its stored writer "
                                  f"token is not a number (data celery-crawl did not write)")
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        """A record, or None."""
-        return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
         """Records for ``keys`` in one round trip."""
@@ -805,12 +767,12 @@ class RedisLeaseStore:
                               wait=lease is not None)
         if int(reply[0]) == -1:
             self._check_fence(-1, lease, queue)
-        return _valid_items(reply[1:], queue, self.url)
+        return decoded_items(reply[1:], queue, url=self.url, log=log)
 
     def peek(self, queue: str, *, limit: int = 100) -> Taken:
         """Read up to ``limit`` items from the head of the queue (``LRANGE``), removing none."""
         raw = self._call("peek", self._redis.lrange, self._k("q", queue), 0, int(limit) - 1)
-        return Taken(queue, tuple(_valid_items(raw, queue, self.url)), tuple(raw))
+        return Taken(queue, tuple(decoded_items(raw, queue, url=self.url, log=log)), tuple(raw))
 
     def put_and_ack(self, items: Sequence[tuple[str, Mapping[str, Any]]], taken: Taken, *,
                     lease: Lease) -> None:
@@ -839,11 +801,9 @@ class RedisLeaseStore:
         sec, usec = self._call("server_time", self._redis.time)
         return int(sec) + int(usec) / 1e6
 
-    def ping(self) -> float:
-        """Round-trip time of a ``PING`` in seconds."""
-        t0 = self._now()
+    def _ping_once(self) -> None:
+        """A ``PING``."""
         self._call("ping", self._redis.ping)
-        return self._now() - t0
 
     def watch_free(self, name: str, timeout_s: float) -> bool:
         """Wait for a release announcement of ``name``, polling ``holder`` every 0.25 s as a
@@ -896,26 +856,6 @@ class RedisLeaseStore:
             with contextlib.suppress(Exception):
                 self._client.close()
 
-    def __repr__(self) -> str:
-        return f"RedisLeaseStore({self.url!r}, namespace={self.namespace!r})"
-
-
-def _dumps(value: Mapping[str, Any], key: str) -> str:
-    try:
-        return json.dumps(value, separators=(",", ":"), sort_keys=True)
-    except (TypeError, ValueError) as exc:
-        raise StoreDataError(f"value for {key!r} is not JSON-serializable: {exc}") from exc
-
-
-def _loads(raw: str, key: str) -> dict[str, Any]:
-    try:
-        value = json.loads(raw)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise StoreDataError(f"key {key!r} holds non-JSON data: {raw[:80]!r}") from exc
-    if not isinstance(value, dict):
-        raise StoreDataError(f"key {key!r} holds {type(value).__name__}, not a JSON object")
-    return value
-
 
 def _token(raw: Any, what: str) -> int:
     """A token read back from the store; foreign data raises ``StoreDataError``."""
@@ -923,18 +863,6 @@ def _token(raw: Any, what: str) -> int:
     if not text.isdigit() or len(text) > 19:
         raise StoreDataError(f"{what} holds {text[:40]!r}, not a fencing token")
     return int(text)
-
-
-def _valid_items(raw_items: Sequence[Any], queue: str, url: str) -> list[dict[str, Any]]:
-    """Decoded queue items; foreign ones are logged and dropped (they are already off the
-    queue), so they can never hold back the valid commands behind them."""
-    items = []
-    for raw in raw_items:
-        try:
-            items.append(_loads(raw, f"queue {queue!r}"))
-        except StoreDataError as exc:
-            log.warning("%s: dropped foreign data: %s", url, exc)
-    return items
 
 
 def _glob_escape(text: str) -> str:

@@ -1,13 +1,15 @@
 """Driver-specific behaviour the shared contract cannot state: Redis scripts, WAIT, eviction
-and persistence checks, token re-seeding; etcd's TTL floor and fork rules; URL
-grammar of both."""
+and persistence checks, token re-seeding; etcd's TTL floor and fork rules; what memory://
+shares and with whom, its clock and its lock's timeout; URL grammar of all three."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,11 @@ from celery_crawl.errors import (
     CrawlError,
     LeaseLost,
     StoreDataError,
+    StoreTimeout,
     StoreUnavailable,
     UnsupportedSetup,
 )
-from celery_crawl.leases import Characteristic, make_holder, open_store, require, store_for
+from celery_crawl.leases import Characteristic, make_holder, memory, open_store, require, store_for
 from celery_crawl.leases.redis import RedisLeaseStore, parse_redis_url, token_counter_key
 from tests.servers import EtcdServer, RedisServer, free_cluster_port, free_port
 
@@ -111,6 +114,7 @@ def test_redis_url_grammar(url: str, expected: dict[str, object]) -> None:
     "redis://h/notadb", "redis://h:99999/0", "redis://h/0?ssl_ca_certs=/x",
     "rediss://h/0?ssl_verify=yes", "rediss://h/0?ssl_cert_reqs=maybe", "etcd+https://h?cert=x",
     "etcd://h?ca_cert=/x", "etcd+https://h?cert_cert=/c", "etcd://u@h", "mysql://h",
+    "memory://h:1", "memory://u:p@x", "memory://a?b=1", "memory://a/b",
 ])
 def test_bad_urls_are_config_errors_naming_the_setting(url: str) -> None:
     with pytest.raises(ConfigError, match="crawl_lease_url"):
@@ -150,8 +154,11 @@ def test_etcd_endpoint_list_fails_over_to_a_live_member(etcd_server: EtcdServer)
         store.close()
 
 
-def test_etcd_store_refuses_use_in_a_forked_child(etcd_server: EtcdServer) -> None:
-    store = open_store(etcd_server.url, namespace="fork")
+@pytest.mark.parametrize("kind", ["etcd", "memory"])
+def test_store_refuses_use_in_a_forked_child(kind: str, request: pytest.FixtureRequest) -> None:
+    url = (request.getfixturevalue("etcd_server").url if kind == "etcd"
+           else f"memory://fork-{uuid.uuid4().hex[:8]}")
+    store = open_store(url, namespace="fork")
     try:
         store.holder("a")
         pid = os.fork()
@@ -332,3 +339,83 @@ def test_a_moved_slot_fails_one_call_then_the_store_and_backend_follow_it() -> N
         finally:
             store.close()
             app.backend.client.connection_pool.disconnect()
+
+
+# -- memory:// --------------------------------------------------------------------------------
+def test_memory_is_one_store_per_name_in_this_process_only() -> None:
+    name = f"shared-{uuid.uuid4().hex[:8]}"
+    first = open_store(f"memory://{name}", namespace="ns")
+    second = open_store(f"memory://{name}", namespace="ns")
+    other = open_store(f"memory://{name}-other", namespace="ns")
+    try:
+        lease = first.acquire("leader", 30, "a")
+        assert lease is not None
+        assert second.holder("leader") == ("a", lease.token), "same name: same store"
+        assert second.acquire("leader", 30, "b") is None
+        assert other.holder("leader") is None, "another name: another store"
+        assert open_store(f"memory://{name}", namespace="ns2").holder("leader") is None
+        child = subprocess.run(
+            [sys.executable, "-c",
+             "from celery_crawl.leases import open_store\n"
+             f"print(open_store('memory://{name}', namespace='ns').holder('leader'))"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+        assert child.stdout.strip() == "None", "another process has a store of its own"
+        require(first, Characteristic.MONOTONIC_TOKENS, Characteristic.LINEARIZABLE)
+        with pytest.raises(UnsupportedSetup, match="multi-process"):
+            require(first, Characteristic.MULTI_PROCESS)
+        assert first.persistence()["persistent"] is False
+    finally:
+        for store in (first, second, other):
+            store.close()
+    with pytest.raises(StoreUnavailable, match="closed"):
+        first.holder("leader")
+    with pytest.raises(ConfigError, match="crawl_lease_url"):
+        CrawlConfig.from_mapping({"crawl_lease_url": f"memory://{name}"})
+    with pytest.raises(ConfigError, match="crawl_redis_wait_replicas"):
+        open_store(f"memory://{name}", namespace="ns", redis_wait_replicas=1)
+
+
+def test_memory_judges_expiry_on_its_injected_clock() -> None:
+    now = [1000.0]
+    name = f"clock-{uuid.uuid4().hex[:8]}"
+    store = memory.MemoryLeaseStore(f"memory://{name}", namespace="ns", clock=lambda: now[0])
+    lease = store.acquire("l", 3, "a")
+    assert lease is not None
+    assert lease.valid_until == pytest.approx(1000 + 3 * 0.99 - 0.05)
+    assert store.claim(lease, "task:1", {}) is not None
+    store.put("done/1", {}, ttl_s=2)
+    now[0] += 2.5
+    assert store.get("done/1") is None and store.holder("l") is not None
+    now[0] += 1.0
+    assert store.holder("l") is None
+    orphan = store.claimant("task:1")
+    assert orphan is not None and not orphan.alive
+    with pytest.raises(LeaseLost):
+        store.renew(lease)
+    with pytest.raises(ConfigError, match="another clock"):
+        memory.MemoryLeaseStore(f"memory://{name}", namespace="ns", clock=time.monotonic)
+
+
+def test_memory_calls_wait_for_its_lock_no_longer_than_the_timeout() -> None:
+    name = f"lock-{uuid.uuid4().hex[:8]}"
+    store = open_store(f"memory://{name}", namespace="ns", timeout_s=0.3)
+    space = memory._spaces[name]
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with space.cond:
+            held.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        held.wait(5)
+        t0 = time.monotonic()
+        with pytest.raises(StoreTimeout, match=r"0\.3s"):
+            store.holder("x")
+        assert time.monotonic() - t0 < 0.3 * 3
+    finally:
+        done.set()
+        thread.join(10)
+    assert store.holder("x") is None

@@ -1,9 +1,12 @@
-"""The lease-store contract, one body per test, run against a real Redis and a real etcd.
+"""The lease-store contract, one body per test, run against a real Redis, a real etcd and the
+in-process ``memory://`` store.
 
 The umbrella fixtures ``store`` (a shared server, a fresh namespace per test) and ``fresh`` (a
-private server the test may restart, stop or freeze) are parametrized over both drivers, and
+private server the test may restart, stop or freeze) are parametrized over every driver, and
 over a Redis Cluster of three masters (``redis+cluster://``; the faults hit the master owning
-the namespace's slot), so every statement below holds for each of them.
+the namespace's slot), so every statement below holds for each of them. ``memory://`` skips only
+what needs a server process (contenders in other processes, freezing or stopping the server);
+its restart is losing its contents, as a Redis without persistence does.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from celery_crawl.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
-from celery_crawl.leases import Lease, LeaseStore, StoreDiagnostics, open_store
+from celery_crawl.leases import Lease, LeaseStore, StoreDiagnostics, memory, open_store
 from tests.clusters import RedisCluster3, running_redis_cluster
 from tests.servers import EtcdServer, RedisServer, free_port, wait_until
 
@@ -66,6 +69,27 @@ class ClusterTarget:
     def stop(self) -> None:
         self.owner.stop()
 
+
+class MemoryTarget:
+    """A ``memory://`` name of its own, seen as a server: it restarts (empty, as a Redis without
+    persistence), but it has no process to freeze or stop."""
+
+    proc = None
+
+    def __init__(self) -> None:
+        self.name = f"contract-{uuid.uuid4().hex[:8]}"
+        self.url = f"memory://{self.name}"
+
+    def restart(self) -> None:
+        memory.forget(self.name)
+
+    def stop(self) -> None:
+        raise AssertionError("memory:// has no server to stop")
+
+
+#: Why a test cannot run on memory://.
+NO_PROCESS = "memory:// lives in this process: no other process shares it, none to freeze or stop"
+
 ROOT = Path(__file__).resolve().parents[2]
 #: etcd's floor; Redis takes the same so one body fits both.
 TTL_S = 3.0  # about 3 s: etcd rounds up to whole seconds and has a floor of 2 s
@@ -78,7 +102,7 @@ class Backend:
     """A real server behind a store, with the fault injections a test may apply."""
 
     kind: str
-    server: RedisServer | EtcdServer | ClusterTarget
+    server: RedisServer | EtcdServer | ClusterTarget | MemoryTarget
     opened: list[LeaseStore] = dataclasses.field(default_factory=list)
 
     @property
@@ -116,6 +140,11 @@ class Backend:
             self.server.owner.client().hset(physical, "v", b"\x80not json")
         elif isinstance(self.server, RedisServer):
             self.server.client().hset(physical, "v", b"\x80not json")
+        elif isinstance(self.server, MemoryTarget):  # a raw write, as a foreign client makes
+            space = memory._spaces[self.server.name]
+            with space.cond:
+                space.records[(store.namespace, logical_key)] = memory._Record(
+                    "\udc80not json", None, None, 0)
         else:
             subprocess.run(
                 ["etcdctl", f"--endpoints=127.0.0.1:{self.server.client_port}", "put",
@@ -127,12 +156,14 @@ class Backend:
             store.close()
 
 
-@pytest.fixture(params=["redis", "etcd", "redis-cluster"])
+@pytest.fixture(params=["redis", "etcd", "redis-cluster", "memory"])
 def store_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """The session's server of one kind; tests isolate themselves by namespace."""
-    server: RedisServer | EtcdServer | ClusterTarget
+    server: RedisServer | EtcdServer | ClusterTarget | MemoryTarget
     if request.param == "redis-cluster":
         server = ClusterTarget(request.getfixturevalue("redis_cluster"))
+    elif request.param == "memory":
+        server = MemoryTarget()
     else:
         server = request.getfixturevalue(f"{request.param}_server")
     backend = Backend(request.param, server)
@@ -145,9 +176,14 @@ def store(store_backend: Backend) -> LeaseStore:
     return store_backend.open()
 
 
-@pytest.fixture(params=["redis", "etcd", "redis-cluster"])
+@pytest.fixture(params=["redis", "etcd", "redis-cluster", "memory"])
 def fresh(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """A private server of one kind, to restart, stop or freeze."""
+    if request.param == "memory":
+        backend = Backend(request.param, MemoryTarget())
+        yield backend
+        backend.close()
+        return
     if request.param == "redis-cluster":
         with running_redis_cluster() as cluster:
             backend = Backend(request.param, ClusterTarget(cluster))
@@ -185,6 +221,8 @@ def _raises_within(bound_s: float, exc: type[BaseException], fn: Callable[[], ob
 # -- mutual exclusion ---------------------------------------------------------------------------
 def test_contenders_never_hold_overlapping_validity_windows(
         store_backend: Backend, tmp_path: Path) -> None:
+    if store_backend.kind == "memory":
+        pytest.skip(NO_PROCESS)
     namespace = f"race{uuid.uuid4().hex[:8]}"
     log = tmp_path / "holdings.jsonl"
     procs = [
@@ -355,10 +393,12 @@ def test_holder_learns_on_next_renew_that_a_restart_lost_its_lease(fresh: Backen
                 assert _now() < deadline, "store not back 15 s after its restart"
                 time.sleep(0.1)
             else:
-                raise AssertionError("renew succeeded on a restarted non-persistent Redis")
+                raise AssertionError("renew succeeded on a restarted non-persistent store")
 
 
 def test_unreachable_store_fails_within_its_timeout_never_hangs(fresh: Backend) -> None:
+    if fresh.kind == "memory":
+        pytest.skip(NO_PROCESS)
     store = fresh.open(namespace="outage", timeout_s=0.5)
     lease = store.acquire("leader", TTL_S, "a")
     assert lease is not None
@@ -445,7 +485,7 @@ def test_misc_server_time_ping_and_durability(store_backend: Backend, store: Lea
     assert store.ping() < 2.0
     assert isinstance(store, StoreDiagnostics)
     server = store.server_time()
-    if store_backend.kind.startswith("redis"):
+    if store_backend.kind.startswith("redis") or store_backend.kind == "memory":
         assert server is not None and abs(server - time.time()) < 5
         assert store.persistence()["persistent"] is False
     else:
