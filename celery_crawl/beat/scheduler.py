@@ -148,7 +148,7 @@ class LeasedScheduler(Scheduler):
         after = self.config.beat_verify_delivery_s
         if not after:
             return
-        from ..worker.broker import broker_ops
+        from .._broker import broker_ops
 
         broker = broker_ops(self.app, timeout_s=self.config.store_timeout_s)
         if broker.kind != "redis":
