@@ -39,7 +39,8 @@ class AppSchedule:
         files: the files read, in load order.
         broken: files with an error, whose entries come from ``previous``.
         kept: names taken from ``previous`` because their file is broken.
-        file_errors: one per bad file, bad entry field or duplicate name (``ScheduleFileError``).
+        file_errors: one per bad file or bad entry field (``ScheduleFileError``).
+        duplicates: one per file entry whose name ``beat_schedule`` also defines.
         beat_schedule_errors: ``beat_schedule`` name -> why it was left out.
         entry_errors: file entry name -> why a validated spec could not become an entry.
     """
@@ -51,6 +52,7 @@ class AppSchedule:
     broken: set[str] = dataclasses.field(default_factory=set)
     kept: set[str] = dataclasses.field(default_factory=set)
     file_errors: list[ScheduleFileError] = dataclasses.field(default_factory=list)
+    duplicates: list[ScheduleFileError] = dataclasses.field(default_factory=list)
     beat_schedule_errors: dict[str, CrawlError] = dataclasses.field(default_factory=dict)
     entry_errors: dict[str, Exception] = dataclasses.field(default_factory=dict)
 
@@ -59,11 +61,17 @@ class AppSchedule:
         """No file is broken (the beat garbage-collects removed entries' state only then)."""
         return not self.broken and not self.entry_errors
 
+    def runs(self, name: str) -> bool:
+        """Whether the file entry ``name`` (of ``specs``) is what the beat runs under that name."""
+        entry, spec = self.entries.get(name), self.specs.get(name)
+        return entry is not None and spec is not None and entry.origin == spec.source \
+            and name not in self.kept
+
     @property
     def errors(self) -> list[str]:
         """Every problem, one line each, as ``status`` shows them."""
         out = [f"beat_schedule {name!r}: {exc}" for name, exc in self.beat_schedule_errors.items()]
-        out += [str(err) for err in self.file_errors]
+        out += [str(err) for err in (*self.file_errors, *self.duplicates)]
         out += [f"entry {name!r}: {exc}" for name, exc in self.entry_errors.items()]
         return out
 
@@ -102,7 +110,7 @@ def assemble(app: Any, *, paths: Sequence[str] | None = None, base_dir: str | No
     out.specs, out.sources, out.files = loaded.entries, loaded.sources, loaded.files
     out.file_errors += loaded.errors
     out.broken = {str(err.file or "") for err in loaded.errors}
-    out.file_errors += check_duplicates_with_beat_schedule(loaded, beat_schedule)
+    out.duplicates = check_duplicates_with_beat_schedule(loaded, beat_schedule)
     for name, spec in loaded.entries.items():
         if spec.source in out.broken or name in beat_schedule:
             continue

@@ -434,6 +434,8 @@ class LeasedScheduler(Scheduler):
         for err in schedule.file_errors:
             log.error("beat: schedule file problem (that file keeps its previous schedule): %s",
                       err)
+        for err in schedule.duplicates:
+            log.error("beat: %s", err)
         for name, error in schedule.entry_errors.items():
             log.error("beat: skipping schedule entry %r: %s", name, error)
         changed = changed_names(self.entries, schedule.entries)

@@ -97,7 +97,7 @@ def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
         for name, spec in schedule.specs.items():
             click.echo(f"{name}  ({spec.source})  -> {spec.task}")
             click.echo(f"  {_describe(spec.schedule, spec.queue, spec.paused)}")
-            if name not in schedule.entries:
+            if not schedule.runs(name):
                 click.echo(f"  not run: {_not_run(schedule, name)}")
             for _slot, fire in _fires(spec.schedule, now, count):
                 click.echo(f"    {_fmt_local(fire, spec.schedule):<35} {_fmt_utc(fire)}")
@@ -106,7 +106,7 @@ def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
         sys.exit(1)
     n = len(schedule.specs)
     click.echo(f"{n} entr{'y' if n == 1 else 'ies'} ok in {len(schedule.files)} file(s)")
-    errors = [str(e) for e in schedule.file_errors]
+    errors = [str(e) for e in (*schedule.file_errors, *schedule.duplicates)]
     errors += [f"entry {name!r}: {exc}" for name, exc in schedule.entry_errors.items()]
     if errors:
         _print_errors(errors)
@@ -115,8 +115,6 @@ def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
 
 def _not_run(schedule: AppSchedule, name: str) -> str:
     """Why a validated file entry is not among the entries the beat runs."""
-    if name in schedule.entries:
-        return ""
     source = schedule.sources.get(name, "")
     if source in schedule.broken:
         return (f"{source} has errors (a running beat keeps that file's previous entries; "
@@ -153,7 +151,8 @@ def next_(ctx: click.Context, name: str, count: int) -> None:
         else:
             click.echo(f"error: no entry {name!r} in the app's schedule (known: {known})",
                        err=True)
-        bad = [str(e) for e in schedule.file_errors if e.entry == name or e.entry is None]
+        bad = [str(e) for e in (*schedule.file_errors, *schedule.duplicates)
+               if e.entry == name or e.entry is None]
         if bad:
             _print_errors(bad)
         sys.exit(1)
