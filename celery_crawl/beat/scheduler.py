@@ -2,7 +2,7 @@
 
 ``celery -A proj beat -S celery_crawl.beat:LeasedScheduler``, any number of replicas. This class
 is the Celery adapter; the decisions live in Celery-free modules: :mod:`.election` (leader state
-machine), :mod:`.guards` (store fitness, clock skew, clock steps), :mod:`.book` (entry states and
+machine), :mod:`.term` (the lease's store calls), :mod:`.guards` (store fitness, clock skew, clock steps), :mod:`.book` (entry states and
 their fenced writes), :mod:`.dispatch` (due heap, catch-up, overlap policies), :mod:`.commands`
 (operator commands), :mod:`.reload` (schedule-file poll), :mod:`.verify` (delivery check); the
 schedule comes from :mod:`.assembly` and the message from :mod:`.publish`.
@@ -29,33 +29,31 @@ from celery.beat import Scheduler
 from .. import keys, metrics, status
 from ..clock import Clock, RedisTimeReference, monotonic
 from ..config import CrawlConfig, plain_redis_url
-from ..errors import ConfigError, CrawlError, FencedError, LeaseError, LeaseLost, StoreError
+from ..errors import ConfigError, CrawlError, FencedError, LeaseError, StoreError
 from ..leases import make_holder, store_for
 from ..leases.base import Characteristic
 from .assembly import assemble
 from .book import StateBook
 from .commands import CommandQueue
 from .dispatch import Dispatcher
-from .election import Action, Election
+from .election import Election
 from .entries import BeatEntry
 from .guards import Guards
 from .publish import Publisher
 from .reload import FileWatch, changed_names
 from .slots import SkipRange
 from .state import EntryState, Sent, format_slot, parse_slot
+from .term import Term
 from .verify import DeliveryCheck
 
 __all__ = ["LeasedScheduler"]
 
 log = logging.getLogger("celery_crawl.beat")
 
-ROLE = "beat"
 #: How often the leader reads the operator command queue.
 COMMAND_POLL_S = 0.5
 #: How often schedule files are checked for changes (mtime poll).
 RELOAD_POLL_S = 1.0
-#: Presence records live this many TTLs after the last write.
-PRESENCE_TTLS = 3
 #: How often the leader runs the delivery check (``crawl_beat_verify_delivery``).
 VERIFY_POLL_S = 1.0
 
@@ -79,6 +77,7 @@ class LeasedScheduler(Scheduler):
         self._watch = FileWatch(self.config.schedule_paths)
         self._store: Any = None
         self._clock: Clock | None = None
+        self._term: Term | None = None
         self._guards: Guards | None = None
         self._book: StateBook | None = None
         self._dispatch: Dispatcher | None = None
@@ -105,17 +104,20 @@ class LeasedScheduler(Scheduler):
             log.error("beat: metrics are off: %s", exc)
         store = self._store = store_for(self.config)
         self._clock = Clock(self._reference(), wall=self._wall_clock)
+        term = self._term = Term(store, self.election, ttl_s=self.config.beat_lease_ttl_s,
+                                 replica_id=self.replica_id, promote=self._promote,
+                                 demoted=self._after_demotion, presence=self._presence)
         self._guards = Guards(store, self._clock, self.election,
                               max_skew_s=self.config.max_clock_skew_s,
                               store_timeout_s=self.config.store_timeout_s,
-                              demoted=self._after_demotion, replica_id=self.replica_id)
-        self._book = StateBook(store, self.election, refused=self._demote)
+                              demoted=term.ended, replica_id=self.replica_id)
+        self._book = StateBook(store, self.election, refused=term.demote)
         self._dispatch = Dispatcher(store, self.election, self._book, now=self._now,
-                                    renew=self._renew, publish=self._publish,
+                                    renew=term.renew, publish=self._publish,
                                     revoke=self._revoke)
         self._commands = CommandQueue(store, self.election, self._book,
                                       entries=lambda: self.entries, now=self._now,
-                                      renew=self._renew, publish=self._publish)
+                                      renew=term.renew, publish=self._publish)
         self._guards.check_store()
         self._setup_verify()
         self._reload(force=True)
@@ -151,14 +153,17 @@ class LeasedScheduler(Scheduler):
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """One scheduler iteration; returns the seconds until something is due."""
-        if self._closed or self._guards is None:
+        if self._closed or self._guards is None or self._term is None:
             return 1.0
         now_m = monotonic()
         if now_m >= self._next_reload:
             self._next_reload = now_m + RELOAD_POLL_S
             self._reload()
         self._guards.check_step()
-        self._election_step()
+        now_m = monotonic()
+        self._guards.poll(now_m)
+        # A set clock blocks promotion: it would start fresh entries on the wrong time.
+        self._term.step(now_m, may_acquire=not self._guards.stepped)
         if self.election.is_leader and not self._guards.stepped:
             self._leader_step()
         return self._sleep_s()
@@ -214,79 +219,8 @@ class LeasedScheduler(Scheduler):
                     "backend is Redis: the clock-skew guard (crawl_max_clock_skew) is off")
         return None
 
-    # -- election -----------------------------------------------------------------------------
-    def _election_step(self) -> None:
-        assert self._guards is not None
-        now = monotonic()
-        self._guards.poll(now)
-        action = self.election.action(now)
-        if action is Action.RENEW:
-            self._renew()
-        elif action is Action.ACQUIRE and self._guards.stepped:
-            self.election.not_acquired()  # promotion would start fresh entries on a set clock
-        elif action is Action.ACQUIRE:
-            self._acquire()
-        if self.election.presence_due():
-            self._write_presence()
-
-    def _acquire(self) -> None:
-        try:
-            lease = self._store.acquire(keys.BEAT_LEADER, self.config.beat_lease_ttl_s,
-                                        self.replica_id)
-        except StoreError as exc:
-            log.debug("beat: acquire failed: %s", exc)
-            lease = None
-        if lease is None:
-            self.election.not_acquired()
-            return
-        self.election.acquired(lease)
-        metrics.BEAT_IS_LEADER.set(1)
-        metrics.BEAT_FAILOVERS.inc()
-        metrics.LEASE_TIME_LEFT.labels(ROLE).set(self.election.remaining_s())
-        log.warning("beat replica %s is now the leader (token %d)", self.replica_id, lease.token)
-        try:
-            self._promote()
-        except (StoreError, LeaseError, FencedError) as exc:
-            log.error("beat: could not load slot state after taking the lease: %s", exc)
-            self._demote(f"promotion failed: {exc}", release=True)
-        self._write_presence()
-
-    def _renew(self) -> None:
-        assert self.election.lease is not None
-        try:
-            lease = self._store.renew(self.election.lease)
-        except LeaseLost as exc:
-            metrics.LEASE_RENEWALS.labels(ROLE, "lost").inc()
-            metrics.renewal_failed(ROLE, exc)
-            metrics.lease_ended(ROLE, self.election.lease.valid_until, monotonic())
-            self._demote(f"lease lost: {exc}")
-            return
-        except StoreError as exc:
-            metrics.LEASE_RENEWALS.labels(ROLE, "error").inc()
-            metrics.renewal_failed(ROLE, exc)
-            until = self.election.lease.valid_until if self.election.lease else monotonic()
-            if self.election.renew_failed():
-                metrics.lease_ended(ROLE, until, monotonic())
-                self._after_demotion(f"renewal failed until the lease ran out: {exc}")
-            else:
-                log.warning("beat: renewal failed, retrying (%.2fs of validity left): %s",
-                            self.election.remaining_s(), exc)
-            return
-        self.election.renewed(lease)
-        metrics.LEASE_RENEWALS.labels(ROLE, "ok").inc()
-        metrics.LEASE_TIME_LEFT.labels(ROLE).set(self.election.remaining_s())
-
-    def _demote(self, reason: str, *, release: bool = False) -> None:
-        lease = self.election.lease
-        self.election.demote()
-        if release and lease is not None and self._store is not None:
-            with contextlib.suppress(CrawlError):
-                self._store.release(lease)
-        self._after_demotion(reason)
-
+    # -- leadership ----------------------------------------------------------------------------
     def _after_demotion(self, reason: str) -> None:
-        metrics.BEAT_IS_LEADER.set(0)
-        metrics.LEASE_TIME_LEFT.labels(ROLE).set(0)
         dropped = self._book.clear() if self._book is not None else 0
         if self._dispatch is not None:
             self._dispatch.clear()
@@ -295,9 +229,9 @@ class LeasedScheduler(Scheduler):
                   f" ({dropped} unwritten entry states left to the next leader)"
                   if dropped else "")
 
-    def _write_presence(self) -> None:
+    def _presence(self) -> dict[str, Any]:
         offset = self._clock.offset_s if self._clock is not None else None
-        record = {
+        return {
             "id": self.replica_id, "host": socket.gethostname(), "pid": os.getpid(),
             "role": self.election.role.value,
             "token": self.election.lease.token if self.election.lease else None,
@@ -305,42 +239,27 @@ class LeasedScheduler(Scheduler):
             "blocked": self.election.blocked_reason, "entries": len(self.entries),
             "started": self._started, "last_seen": format_slot(self._now()),
         }
-        try:
-            self._store.put(keys.beat_presence(self.replica_id), record,
-                            ttl_s=PRESENCE_TTLS * self.config.beat_lease_ttl_s)
-        except StoreError as exc:
-            log.debug("beat: presence write failed: %s", exc)
-        self.election.presence_written()
 
-    # -- leadership ----------------------------------------------------------------------------
     def _promote(self) -> None:
         """Load every entry's durable state and fill the due heap (see ``StateBook.load``)."""
-        assert self._book is not None and self._dispatch is not None
+        assert self._book is not None and self._dispatch is not None and self._term is not None
         self._dispatch.clear()
         self._dispatch.entries = self.entries
         fresh = self._book.load(self.entries, self._now(), collect_garbage=self._files_ok,
-                                keep_alive=self._keep_alive)
-        self._dispatch.schedule_all(self._keep_alive)
+                                keep_alive=self._term.keep_alive)
+        self._dispatch.schedule_all(self._term.keep_alive)
         log.info("beat: leading %d entries (%d fresh), next run %s", len(self._book.states),
                  len(fresh), self._dispatch.describe_next())
-
-    def _keep_alive(self) -> None:
-        """Renew during long work (promotion, a delivery check reading a long queue) so the
-        lease cannot lapse; raises ``LeaseLost`` to abort the work once it is gone."""
-        if self.election.renew_due():
-            self._renew()
-        if not self.election.is_leader:
-            raise LeaseLost("the lease was lost during a long step of the beat loop")
 
     def _between_checks(self) -> None:
         """Between the requests of a long delivery check (a queue read is O(backlog)): renew,
         and dispatch what came due meanwhile, so the schedule does not wait for the check."""
-        assert self._dispatch is not None and self._guards is not None
-        self._keep_alive()
+        assert self._dispatch is not None and self._guards is not None and self._term is not None
+        self._term.keep_alive()
         peek = self._dispatch.peek()
         if peek is not None and not self._guards.stepped and peek[1] <= self._now():
             self._dispatch.dispatch_due()
-            self._keep_alive()
+            self._term.keep_alive()
 
     def _leader_step(self) -> None:
         assert self._book is not None and self._dispatch is not None
@@ -451,7 +370,8 @@ class LeasedScheduler(Scheduler):
                 try:
                     self._promote()
                 except (StoreError, LeaseError, FencedError) as exc:
-                    self._demote(f"reload failed: {exc}", release=True)
+                    assert self._term is not None
+                    self._term.demote(f"reload failed: {exc}", release=True)
 
     def _sleep_s(self) -> float:
         now_m = monotonic()

@@ -38,7 +38,8 @@ CORES = [
     "celery_crawl.beat.election", "celery_crawl.beat.slots", "celery_crawl.beat.state",
     "celery_crawl.beat.clockstep", "celery_crawl.beat.index", "celery_crawl.beat.guards",
     "celery_crawl.beat.book", "celery_crawl.beat.dispatch", "celery_crawl.beat.commands",
-    "celery_crawl.beat.reload", "celery_crawl.beat.verify", "celery_crawl.schedules.policies",
+    "celery_crawl.beat.reload", "celery_crawl.beat.verify", "celery_crawl.beat.term",
+    "celery_crawl.schedules.policies",
 ]
 
 _PROBE = """
