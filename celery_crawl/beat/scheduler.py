@@ -2,10 +2,11 @@
 
 ``celery -A proj beat -S celery_crawl.beat:LeasedScheduler``, any number of replicas. This class
 is the Celery adapter; the decisions live in Celery-free modules: :mod:`.election` (leader state
-machine), :mod:`.term` (the lease's store calls), :mod:`.guards` (store fitness, clock skew, clock steps), :mod:`.book` (entry states and
-their fenced writes), :mod:`.dispatch` (due heap, catch-up, overlap policies), :mod:`.commands`
-(operator commands), :mod:`.reload` (schedule-file poll), :mod:`.verify` (delivery check); the
-schedule comes from :mod:`.assembly` and the message from :mod:`.publish`.
+machine), :mod:`.term` (the lease's store calls), :mod:`.guards` (store fitness, clock skew,
+clock steps), :mod:`.book` (entry states and their fenced writes), :mod:`.dispatch` (due heap,
+catch-up, overlap policies), :mod:`.commands` (operator commands), :mod:`.reload` (schedule-file
+poll), :mod:`.verify` (delivery check); the schedule comes from :mod:`.assembly` and the message
+from :mod:`.publish`.
 
 Everything happens inside ``tick()`` and never blocks longer than one store call: ``tick``
 returns the time until the *earliest* of the next due run, the next renewal (every ttl/3), the
