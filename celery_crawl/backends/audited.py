@@ -54,7 +54,6 @@ from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 from redis import exceptions as redis_errors
 
-from .. import _finishing as finishing
 from ..config import CrawlConfig, mask_url
 from ..errors import (
     ConfigError,
@@ -64,6 +63,7 @@ from ..errors import (
     StoreTimeout,
     StoreUnavailable,
 )
+from ..worker import finishing
 
 __all__ = [
     "MAX_TOKEN",
@@ -462,7 +462,7 @@ class AuditedRedisBackend(RedisBackend):
                       request: Any = None, **kwargs: Any) -> Any:
         if state in states.READY_STATES:
             # The body has returned: a lease loss from here on must not kill this run (its
-            # work is done); the worker plugin reads the mark (see _finishing.py).
+            # work is done); the worker plugin reads the mark (see worker/finishing.py).
             finishing.mark(bytes_to_str(task_id))
         meta = self._get_result_meta(result=result, state=state, traceback=traceback,
                                      request=request)

@@ -17,7 +17,7 @@ PACKAGE = Path(celery_crawl.__file__).parent
 
 _BASE = {"errors", "durations", "_urls"}
 _CORE = _BASE | {"config", "keys", "metrics"}
-_SERVICES = _CORE | {"leases", "clock", "cliapp", "_broker", "_finishing"}
+_SERVICES = _CORE | {"leases", "clock", "cliapp", "_broker"}
 
 #: part -> the parts it may import ("part" = first name below ``celery_crawl``; the package's
 #: own ``__init__`` is ``(root)``). Lower layers never import higher ones.
@@ -25,7 +25,6 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "durations": {"errors"},
     "_urls": set(),
-    "_finishing": set(),
     "_broker": set(),
     "keys": set(),
     "metrics": {"errors"},
@@ -48,6 +47,10 @@ ALLOWED: dict[str, set[str]] = {
 
 #: (importing module, imported part) -> why it is allowed although the table says no.
 EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("celery_crawl.backends.audited", "worker"):
+        "the audited backend writes the worker's finished-task marks (worker.finishing), which "
+        "the worker package is extending in parallel; they belong in a neutral module below "
+        "both (as _broker.py is for the broker reads) once that work has landed",
     ("celery_crawl.status.view", "beat"):
         "the status view decodes the beat's durable records (beat.state); the beat serves the "
         "page, so status and beat depend on each other through these lazy imports only",
