@@ -13,7 +13,7 @@ import secrets
 import socket
 from typing import TYPE_CHECKING
 
-from .._urls import LEASE_SCHEMES
+from ..config import LEASE_SCHEMES
 from ..errors import ConfigError
 from ._urls import masked_url as mask_url
 from .base import (
