@@ -118,14 +118,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _scheduler_available() -> bool:
-    try:
-        from celery_crawl import beat
-    except ImportError:
-        return False
-    return hasattr(beat, "LeasedScheduler")
-
-
 def shipped_schedule_patterns() -> list[str]:
     """The globs of the shipped schedule files: ``beat_schedules/*.toml`` and the demo ones.
 
@@ -285,16 +277,10 @@ class Fleet:
                             "--loglevel", "warning"], self._env(), essential=True)
         self._add("site", [py, "-m", f"{CRAWLER_PACKAGE}.demo_site", "--port", str(self.site_port),
                            "--proxy-port", str(self.proxy_port)], self._env(), essential=True)
-        leased = _scheduler_available()
-        if not leased:
-            self.out.say(f"{_SCHEDULER} is not installed here: running ONE stock beat "
-                         "(no leader election, no failover)")
-        for n in (1, 2) if leased else (1,):
+        for n in (1, 2):
             port = self.metrics_ports[f"beat-{n}"] = _free_port()
-            args = [*celery, "beat", "-l", "INFO",
+            args = [*celery, "beat", "-S", _SCHEDULER, "-l", "INFO",
                     "-s", str(self.workdir / f"beat-{n}-schedule")]
-            if leased:
-                args[len(celery) + 1:len(celery) + 1] = ["-S", _SCHEDULER]
             self._add(f"beat-{n}", args, self._env(port), essential=False)
         port = self.metrics_ports["worker"] = _free_port()
         # Every queue a loaded entry names, so each published run is run (the summary's

@@ -15,20 +15,19 @@ and ``crawl_catchup_max`` and are removed before publishing.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ..durations import parse_duration
 from ..errors import ConfigError, ScheduleError
+from ..schedules.entry import digest
+from ..schedules.policies import OVERLAP_POLICIES, Overlap
 from .slots import CatchupPolicy
 
 __all__ = ["OVERLAP_POLICIES", "BeatEntry", "CelerySlotSource", "from_beat_schedule",
            "from_spec"]
 
-OVERLAP_POLICIES = ("skip", "buffer_one", "allow", "cancel_other")
 _CRAWL_OPTION_KEYS = ("crawl_overlap", "crawl_catchup", "crawl_catchup_window",
                       "crawl_catchup_max")
 
@@ -60,7 +59,7 @@ class BeatEntry:
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
     options: Mapping[str, Any]
-    overlap: str
+    overlap: Overlap
     catchup: CatchupPolicy
     paused: bool
     fingerprint: str
@@ -127,16 +126,16 @@ class CelerySlotSource:
 
 def fingerprint_of(definition: Mapping[str, Any]) -> str:
     """A stable digest of a definition (sha256 of canonical JSON, reprs for foreign objects)."""
-    text = json.dumps(definition, sort_keys=True, default=repr, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return digest(dict(definition))[:16]
 
 
-def _policy_from_options(name: str, options: dict[str, Any]) -> tuple[str, CatchupPolicy]:
+def _policy_from_options(name: str, options: dict[str, Any]) -> tuple[Overlap, CatchupPolicy]:
     where = f"beat_schedule[{name!r}].options"
-    overlap = options.pop("crawl_overlap", "skip")
-    if overlap not in OVERLAP_POLICIES:
-        raise ConfigError(f"{where}.crawl_overlap: {overlap!r} must be one of "
+    raw = options.pop("crawl_overlap", "skip")
+    if raw not in OVERLAP_POLICIES:
+        raise ConfigError(f"{where}.crawl_overlap: {raw!r} must be one of "
                           f"{', '.join(OVERLAP_POLICIES)}")
+    overlap = Overlap(raw)
     mode = options.pop("crawl_catchup", "latest")
     window = parse_duration(options.pop("crawl_catchup_window", 3600.0),
                             what=f"{where}.crawl_catchup_window")
@@ -178,7 +177,7 @@ def from_beat_schedule(name: str, raw: Mapping[str, Any], app: Any) -> BeatEntry
         fire_time = _identity
         fp_sched = repr(sched)
     fp = fingerprint_of({"task": raw["task"], "schedule": fp_sched, "args": list(args),
-                         "kwargs": kwargs, "options": options, "overlap": overlap,
+                         "kwargs": kwargs, "options": options, "overlap": overlap.value,
                          "catchup": dataclasses.asdict(policy)})
     return BeatEntry(name=name, task=str(raw["task"]), source=source, fire_time=fire_time,
                      args=args, kwargs=kwargs, options=options, overlap=overlap,
@@ -201,7 +200,7 @@ def from_spec(spec: Any) -> BeatEntry:
     sched = spec.schedule
     return BeatEntry(name=spec.name, task=spec.task, source=sched, fire_time=sched.fire_time,
                      args=tuple(spec.args or ()), kwargs=dict(spec.kwargs or {}),
-                     options=options, overlap=spec.overlap, catchup=policy,
+                     options=options, overlap=Overlap(spec.overlap), catchup=policy,
                      paused=bool(spec.paused), fingerprint=str(spec.fingerprint()),
                      origin=str(getattr(spec, "source", "") or "schedule file"),
                      expires_s=expires_s)

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Protocol
 
+from ..schedules.policies import CATCHUP_POLICIES
+
 __all__ = [
     "CATCHUP_MODES",
     "CatchupPolicy",
@@ -35,7 +37,7 @@ __all__ = [
     "plan",
 ]
 
-CATCHUP_MODES = ("none", "latest", "all")
+CATCHUP_MODES = CATCHUP_POLICIES
 #: Most slots enumerated one by one when an entry was left alone for very long; beyond this the
 #: skipped range's count is extrapolated from the period and marked approximate.
 _MAX_ENUMERATED = 10_000

@@ -1,7 +1,9 @@
 """``celery -A proj crawl schedules check PATH...`` and ``celery -A proj crawl next NAME``.
 
-Both work without a broker or a lease store: they only read files and the app's configuration.
-Bad input ends with exit status 1 and a list of errors, never a traceback.
+Both work without a broker or a lease store: they only read files and the app's configuration,
+assembled as the beat assembles them (:func:`celery_crawl.beat.assembly.assemble`), so what they
+show is what the leader runs. Bad input ends with exit status 1 and a list of errors, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -12,17 +14,18 @@ from datetime import UTC, datetime
 
 import click
 
+from ..beat.assembly import AppSchedule, assemble
+from ..beat.entries import BeatEntry
 from ..cliapp import app_of
-from ..errors import CrawlError, ScheduleFileError
-from .entry import EntrySpec
-from .files import check_duplicates_with_beat_schedule, load_app_schedule, load_schedule_files
+from ..errors import CrawlError
 from .ids import task_id_for
+from .tzcron import TzCron
 
 __all__ = ["register"]
 
 
-def _fmt_local(instant: datetime, spec: EntrySpec) -> str:
-    local = instant.astimezone(spec.schedule.tz)
+def _fmt_local(instant: datetime, schedule: TzCron) -> str:
+    local = instant.astimezone(schedule.tz)
     return f"{local:%Y-%m-%d %H:%M:%S %z} {local.tzname()}"
 
 
@@ -30,31 +33,30 @@ def _fmt_utc(instant: datetime) -> str:
     return f"{instant.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}"
 
 
-def _fires(spec: EntrySpec, after: datetime, count: int) -> list[tuple[datetime, datetime]]:
+def _fires(schedule: TzCron, after: datetime, count: int) -> list[tuple[datetime, datetime]]:
     out: list[tuple[datetime, datetime]] = []
-    for slot, fire in spec.schedule.fires(after, datetime.max.replace(tzinfo=UTC)):
+    for slot, fire in schedule.fires(after, datetime.max.replace(tzinfo=UTC)):
         out.append((slot, fire))
         if len(out) >= count:
             break
     return out
 
 
-def _describe(spec: EntrySpec) -> str:
-    s = spec.schedule
+def _describe(s: TzCron, queue: str | None, paused: bool) -> str:
     parts = [f"cron {s.expr!r}", f"tz {s.zone_name}",
              "fixed-time" if s.is_fixed_time else "wildcard"]
     if s.is_fixed_time:
         parts.append(f"gap={s.gap} fold={s.fold}")
     if s.jitter:
         parts.append(f"jitter={s.jitter:g}s")
-    if spec.queue:
-        parts.append(f"queue={spec.queue}")
-    if spec.paused:
+    if queue:
+        parts.append(f"queue={queue}")
+    if paused:
         parts.append("PAUSED")
     return ", ".join(parts)
 
 
-def _print_errors(errors: list[ScheduleFileError]) -> None:
+def _print_errors(errors: list[str]) -> None:
     click.echo(f"{len(errors)} error(s):", err=True)
     for error in errors:
         click.echo(f"  {error}", err=True)
@@ -90,24 +92,36 @@ def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
     Exit status 1 when any file or entry is bad; the good entries are still shown.
     """
     try:
-        result = load_schedule_files(list(paths), base_dir=".")
-        # Names that clash with the app's beat_schedule are errors too (both places named).
-        beat_schedule = app_of(ctx).conf.get("beat_schedule") or {}
-        result.errors.extend(check_duplicates_with_beat_schedule(result, beat_schedule))
+        schedule = assemble(app_of(ctx), paths=list(paths), base_dir=".")
         now = _now()
-        for name, spec in result.entries.items():
+        for name, spec in schedule.specs.items():
             click.echo(f"{name}  ({spec.source})  -> {spec.task}")
-            click.echo(f"  {_describe(spec)}")
-            for _slot, fire in _fires(spec, now, count):
-                click.echo(f"    {_fmt_local(fire, spec):<35} {_fmt_utc(fire)}")
+            click.echo(f"  {_describe(spec.schedule, spec.queue, spec.paused)}")
+            if not schedule.runs(name):
+                click.echo(f"  not run: {_not_run(schedule, name)}")
+            for _slot, fire in _fires(spec.schedule, now, count):
+                click.echo(f"    {_fmt_local(fire, spec.schedule):<35} {_fmt_utc(fire)}")
     except CrawlError as exc:  # a defect guard: the loader reports, it should not raise
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
-    click.echo(f"{len(result.entries)} entr{'y' if len(result.entries) == 1 else 'ies'} ok "
-               f"in {len(result.files)} file(s)")
-    if result.errors:
-        _print_errors(result.errors)
+    n = len(schedule.specs)
+    click.echo(f"{n} entr{'y' if n == 1 else 'ies'} ok in {len(schedule.files)} file(s)")
+    errors = [str(e) for e in (*schedule.file_errors, *schedule.duplicates)]
+    errors += [f"entry {name!r}: {exc}" for name, exc in schedule.entry_errors.items()]
+    if errors:
+        _print_errors(errors)
         sys.exit(1)
+
+
+def _not_run(schedule: AppSchedule, name: str) -> str:
+    """Why a validated file entry is not among the entries the beat runs."""
+    source = schedule.sources.get(name, "")
+    if source in schedule.broken:
+        return (f"{source} has errors (a running beat keeps that file's previous entries; "
+                "a starting one loads none of them)")
+    if name in schedule.entry_errors:
+        return str(schedule.entry_errors[name])
+    return "app.conf.beat_schedule defines the same name (that definition runs)"
 
 
 @click.command(name="next", short_help="Next fires of one entry: zone, UTC, slot, task id.")
@@ -118,32 +132,42 @@ def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
 def next_(ctx: click.Context, name: str, count: int) -> None:
     """Show the next fires of one entry of the app's schedule (files and beat_schedule)."""
     app = app_of(ctx)
-    result = load_app_schedule(app)
-    spec = result.entries.get(name)
-    other = (app.conf.get("beat_schedule") or {}).get(name)
-    if spec is None and other is not None:
-        schedule = other.get("schedule") if isinstance(other, dict) else other
-        click.echo(f"error: entry {name!r} in beat_schedule has schedule {schedule!r}, not a "
+    schedule = assemble(app)
+    entry: BeatEntry | None = schedule.entries.get(name)
+    if name in schedule.beat_schedule_errors:
+        click.echo(f"error: beat_schedule {name!r}: {schedule.beat_schedule_errors[name]}",
+                   err=True)
+        sys.exit(1)
+    if entry is not None and not isinstance(entry.source, TzCron):
+        raw = (app.conf.get("beat_schedule") or {}).get(name)
+        shown = raw.get("schedule") if isinstance(raw, dict) else raw
+        click.echo(f"error: entry {name!r} in beat_schedule has schedule {shown!r}, not a "
                    "TzCron; `crawl next` shows TzCron entries and schedule files", err=True)
         sys.exit(1)
-    if spec is None:
-        known = ", ".join(sorted(result.entries)) or "none"
-        click.echo(f"error: no entry {name!r} in the app's schedule (known: {known})", err=True)
-        bad = [e for e in result.errors if e.entry == name or e.entry is None]
+    if entry is None:
+        known = ", ".join(sorted(schedule.entries)) or "none"
+        if name in schedule.specs:
+            click.echo(f"error: entry {name!r} is not run: {_not_run(schedule, name)}", err=True)
+        else:
+            click.echo(f"error: no entry {name!r} in the app's schedule (known: {known})",
+                       err=True)
+        bad = [str(e) for e in (*schedule.file_errors, *schedule.duplicates)
+               if e.entry == name or e.entry is None]
         if bad:
             _print_errors(bad)
         sys.exit(1)
-    if result.errors:
-        click.echo(f"warning: the app's schedule has {len(result.errors)} error(s); "
+    if schedule.errors:
+        click.echo(f"warning: the app's schedule has {len(schedule.errors)} error(s); "
                    "see `celery crawl schedules check`", err=True)
+    tz: TzCron = entry.source
     namespace = app.conf.get("crawl_namespace") or getattr(app, "main", None) or "celery_crawl"
-    click.echo(f"{name}  ({spec.source})  -> {spec.task}")
-    click.echo(f"  {_describe(spec)}")
-    click.echo(f"    {'fire (' + spec.schedule.zone_name + ')':<35} {'fire (UTC)':<21} "
+    click.echo(f"{name}  ({entry.origin})  -> {entry.task}")
+    click.echo(f"  {_describe(tz, entry.options.get('queue'), entry.paused)}")
+    click.echo(f"    {'fire (' + tz.zone_name + ')':<35} {'fire (UTC)':<21} "
                f"{'slot (UTC)':<21} task id")
     try:
-        for slot, fire in _fires(spec, _now(), count):
-            click.echo(f"    {_fmt_local(fire, spec):<35} {_fmt_utc(fire):<21} "
+        for slot, fire in _fires(tz, _now(), count):
+            click.echo(f"    {_fmt_local(fire, tz):<35} {_fmt_utc(fire):<21} "
                        f"{_fmt_utc(slot):<21} {task_id_for(namespace, name, slot)}")
     except CrawlError as exc:
         click.echo(f"error: {exc}", err=True)

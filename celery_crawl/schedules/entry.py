@@ -7,12 +7,21 @@ import hashlib
 import json
 from typing import Any
 
+from .policies import CATCHUP_POLICIES, OVERLAP_POLICIES
 from .tzcron import TzCron
 
-__all__ = ["CATCHUP_POLICIES", "OVERLAP_POLICIES", "EntrySpec"]
+__all__ = ["CATCHUP_POLICIES", "OVERLAP_POLICIES", "EntrySpec", "digest"]
 
-OVERLAP_POLICIES = ("skip", "buffer_one", "allow", "cancel_other")
-CATCHUP_POLICIES = ("none", "latest", "all")
+
+def digest(definition: Any) -> str:
+    """The fingerprint of a definition: sha256 of its canonical JSON (reprs for foreign objects).
+
+    The one fingerprint function: a file entry uses the whole digest, a ``beat_schedule``
+    entry its first 16 hex digits (``beat.entries.fingerprint_of``), as their stored records
+    have always had them; a different value would start every entry afresh after an upgrade.
+    """
+    text = json.dumps(definition, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,5 +82,4 @@ class EntrySpec:
             "expires_s": self.expires_s,
             "priority": self.priority,
         }
-        text = json.dumps(canon, sort_keys=True, separators=(",", ":"), default=repr)
-        return hashlib.sha256(text.encode()).hexdigest()
+        return digest(canon)

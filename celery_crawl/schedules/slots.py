@@ -23,12 +23,11 @@ from zoneinfo import ZoneInfo
 
 from ..errors import ScheduleError
 from .cron import CronExpr, wall_next
+from .policies import FOLD_POLICIES, GAP_POLICIES
 from .zones import WallKind, resolve_wall, transition_between, utc_naive
 
 __all__ = ["FOLD_POLICIES", "GAP_POLICIES", "SlotRule"]
 
-GAP_POLICIES = ("shift", "skip")
-FOLD_POLICIES = ("first", "last", "both")
 
 # Guards against a pattern that only ever matches where the policy forbids a run; real
 # schedules need at most a few thousand steps (every second through a one-hour fold).

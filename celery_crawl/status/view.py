@@ -12,14 +12,12 @@ anywhere in the view are masked.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from .. import keys
-from ..config import CrawlConfig
 from ..errors import CrawlError
 
 __all__ = ["gather", "scrub"]
@@ -103,22 +101,12 @@ def gather(app: Any, store: Any, *, limit: int = 10,
 
 def _entries(app: Any, store: Any, now: datetime,
              limit: int) -> tuple[dict[str, Any], list[str]]:
-    from ..beat.entries import from_beat_schedule, from_spec
+    from ..beat.assembly import assemble
     from ..beat.state import EntryState, SkipLog, format_slot
-    from ..schedules import load_schedule_files
 
-    errors: list[str] = []
-    defined = {}
-    for name, raw in (app.conf.beat_schedule or {}).items():
-        try:
-            defined[name] = from_beat_schedule(name, raw, app)
-        except CrawlError as exc:
-            errors.append(f"beat_schedule {name!r}: {exc}")
-    config = CrawlConfig.from_app(app)
-    result = load_schedule_files(list(config.schedule_paths), base_dir=os.getcwd())
-    for spec in result.entries.values():
-        defined.setdefault(spec.name, from_spec(spec))
-    errors.extend(str(err) for err in result.errors)
+    schedule = assemble(app)  # what the beat runs, the same way it assembles it
+    defined = schedule.entries
+    errors = schedule.errors
     names = sorted(defined)
     records = store.get_many([keys.beat_entry(n) for n in names]) if names else []
     skip_records = store.get_many([keys.beat_skips(n) for n in names]) if names else []

@@ -94,9 +94,10 @@ def test_a_wall_clock_step_between_skew_checks_publishes_nothing_early(
         assert st.last_slot is not None and st.last_slot <= real_now, st.last_slot
     finally:
         store.close()
-    nxt = a._next_of.get("m")
+    assert a._dispatch is not None
+    nxt = a._dispatch.next_of.get("m")
     assert nxt is not None and 0 < (nxt - real_now).total_seconds() <= 61, nxt
-    assert a._steps is not None and a._steps.steps >= 2  # set ahead, then back
+    assert a._guards is not None and a._guards.steps.steps >= 2  # set ahead, then back
 
 
 def store_get(server: RedisServer, ns: str, key: str) -> Any:
@@ -143,7 +144,9 @@ def test_a_store_error_at_fire_time_is_retried_not_counted_as_overlap(
                             what="runs again once the store answers")
         # A short one: the slot is left undecided, then runs once the store answers.
         _poison(redis_server, ns, keys.done(second))
-        held = wait_until(lambda: (a.tick(), a._undecided.get("e"))[1], 5,
+        assert a._dispatch is not None
+        undecided = a._dispatch.undecided
+        held = wait_until(lambda: (a.tick(), undecided.get("e"))[1], 5,
                           interval_s=0.01, what="a slot left undecided")
         drain(redis_server, ns)
         redis_server.client(0).delete(f"{ns}:rec:{keys.done(second)}")
@@ -179,7 +182,8 @@ def test_a_command_outlives_a_demotion_between_applying_and_recording_it(
                                  crawl_beat_lease_ttl=3.0))
     opened.append(b)
     other = open_store(lease_url, namespace=ns)
-    applied = a._apply
+    assert a._commands is not None
+    applied = a._commands.apply
     taken_over: list[int] = []
 
     def apply_then_lose_the_lease(cmd: Any) -> None:
@@ -191,7 +195,7 @@ def test_a_command_outlives_a_demotion_between_applying_and_recording_it(
         taken_over.append(b.election.lease.token if b.election.lease else 0)
 
     try:
-        a._apply = apply_then_lose_the_lease  # type: ignore[method-assign]
+        a._commands.apply = apply_then_lose_the_lease  # type: ignore[method-assign]
         other.push(keys.BEAT_COMMANDS, make_command("pause", "tick"))
         wait_until(lambda: (a.tick(), taken_over)[1], 10, what="a applies the command")
         wait_until(lambda: (a.tick(), not a.election.is_leader)[1], 10,

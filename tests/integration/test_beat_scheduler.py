@@ -509,9 +509,10 @@ def test_leader_dispatches_again_after_a_store_outage_that_failed_its_state_writ
         try:
             # The outage strikes a flush (as it does in the middle of a burst): it fails for
             # real against the frozen store and holds further runs back.
-            a._queue_state("tick")
-            a._flush()
-            assert a._flush_failed
+            assert a._book is not None
+            a._book.queue("tick")
+            a._book.flush()
+            assert a._book.flush_failed
             wait_until(lambda: (a.tick(), not a.election.is_leader)[1], 15,
                        interval_s=0.05, what="the leader demotes in the outage")
         finally:
