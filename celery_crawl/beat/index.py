@@ -112,6 +112,18 @@ def read_states(store: LeaseStore, names: Iterable[str], *,
         if start:
             between()
         batch = todo[start:start + READ_BATCH]
-        out.update(zip(batch, store.get_many([keys.beat_entry(n) for n in batch]),
-                       strict=True))
+        try:
+            out.update(zip(batch, store.get_many([keys.beat_entry(n) for n in batch]),
+                           strict=True))
+        except StoreDataError:
+            # Foreign bytes under one entry's key must not stop the leader from running every
+            # other entry (nor that one): read the batch key by key; garbage counts as absent,
+            # so that entry starts afresh, as after a changed definition.
+            for name in batch:
+                try:
+                    out[name] = store.get(keys.beat_entry(name))
+                except StoreDataError as exc:
+                    log.error("beat: the state of entry %r is unreadable and is started "
+                              "afresh: %s", name, exc)
+                    out[name] = None
     return out

@@ -23,7 +23,7 @@ import math
 import threading
 from collections.abc import Callable
 
-from ..clock import monotonic
+from ._driver import boottime as monotonic
 from .base import DRIFT
 
 __all__ = ["BUCKETS_PER_TTL", "RECORDS_PER_LEASE", "ExpiryBuckets"]
