@@ -174,9 +174,11 @@ class LeaseStore(Protocol):
         ...
 
     def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
-                             record: str, version: str) -> int | None:
+                             record: str, version: str,
+                             also: Sequence[tuple[str, str]] = ()) -> int | None:
         """``claim``, in the same atomic operation as a check that record ``record`` still has
-        the ``version`` read by ``get_many_versioned`` (``""``: still absent).
+        the ``version`` read by ``get_many_versioned`` (``""``: still absent), and every
+        ``(record, version)`` of ``also`` too.
 
         The caller decides from the record (a worker: the task's done tombstone) and claims
         only if that decision still holds when the claim is made, so no writer of the record
@@ -186,6 +188,13 @@ class LeaseStore(Protocol):
 
     def claimant(self, key: str) -> Claim | None:
         """The current claim on ``key`` (alive or orphaned), or None."""
+        ...
+
+    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
+                     ttl_s: float) -> bool:
+        """The end of a claimed run in one atomic operation: write record ``record``
+        (unfenced, expiring after ``ttl_s``), then delete claim ``key`` if it is bound to
+        ``lease``. The record is written even when the claim is not ours. True if deleted."""
         ...
 
     def unclaim(self, lease: Lease, key: str) -> bool:

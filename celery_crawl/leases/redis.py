@@ -148,7 +148,7 @@ def _load_scripts() -> dict[str, _Script]:
     prelude = (pkg / "_token.lua").read_text(encoding="utf-8")
     scripts = {}
     for name in ("acquire", "renew", "release", "claim", "read_claims", "orphans", "unclaim",
-                 "put", "delete", "pop", "ack"):
+                 "put", "delete", "pop", "ack", "finish"):
         body = (pkg / f"{name}.lua").read_text(encoding="utf-8")
         scripts[name] = _Script(name, prelude + "\n" + body)
     guard = (pkg / "claim_guard.lua").read_text(encoding="utf-8")
@@ -409,25 +409,44 @@ class RedisLeaseStore:
         return out
 
     def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
-                             record: str, version: str) -> int | None:
-        """``claim`` iff record ``record`` still holds ``version`` (its JSON as read), in one
-        script (``claim_guard.lua`` + ``claim.lua``)."""
+                             record: str, version: str,
+                             also: Sequence[tuple[str, str]] = ()) -> int | None:
+        """``claim`` iff record ``record`` still holds ``version`` (its JSON as read), and every
+        ``(record, version)`` of ``also`` too, in one script (``claim_guard.lua`` +
+        ``claim.lua``)."""
+        guarded = [(record, version), *also]
         keys = [self._k("lease", lease.name), self._token_key, self._k("claims-of", lease.name),
-                self._index_key, self._k("claim", key), self._k("rec", record)]
-        args = [lease.name, lease.holder, lease.token, self._prefix, _dumps(value, key), version]
+                self._index_key, self._k("claim", key),
+                *(self._k("rec", r) for r, _ in guarded)]
+        args = [lease.name, lease.holder, lease.token, self._prefix, _dumps(value, key),
+                *(v for _, v in guarded), len(guarded)]
         reply, acked = self._eval("claim_unless", keys, args, wait=True)
         code = int(reply[0])
         if code == -1:
             raise LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: "
                             f"it is gone or held by another holder")
         if code == -2:
-            raise RecordChanged(f"{self.url}: claim of {key!r} refused: record {record!r} "
+            changed = guarded[int(reply[1]) - 1][0]
+            raise RecordChanged(f"{self.url}: claim of {key!r} refused: record {changed!r} "
                                 f"changed since it was read")
         if self._under_acked(acked):
             self.unacked_writes += 1
             log.warning("%s: claim acknowledged by %s of %s replicas", self.url, acked,
                         self.wait_replicas)
         return int(reply[1]) or None
+
+    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
+                     ttl_s: float) -> bool:
+        """Write record ``record`` (unfenced, ``ttl_s``), then delete claim ``key`` if it is
+        bound to ``lease``, in one script (``finish.lua``); True if the claim was deleted."""
+        reply, _ = self._eval(
+            "finish",
+            [self._k("rec", record), self._k("claim", key), self._k("claims-of", lease.name),
+             self._index_key],
+            [_dumps(value, record), self._ttl_ms(ttl_s, "ttl_s"), lease.name, lease.holder,
+             lease.token],
+        )
+        return bool(reply)
 
     def _claims_from(self, flat: Sequence[Any], *, strict: bool) -> list[Claim]:
         """Claims from a script's flat reply. Foreign data raises ``StoreDataError`` naming the

@@ -270,7 +270,7 @@ class Claimer:
             StoreError: the store failed; the caller requeues the message (fails closed).
         """
         gen = generation if generation is not None else (0, retries)
-        for _ in range(3):
+        for attempt in range(4):
             lease = self._lease()
             if lease is None:
                 return Decision(Outcome.NO_LEASE)
@@ -279,20 +279,32 @@ class Claimer:
                     lease, task_id, delivery_tag=delivery_tag, queue=queue, exchange=exchange,
                     routing_key=routing_key, retries=retries, generation=gen, digest=digest,
                     known_deliveries=known_deliveries, parked=parked, holder=holder,
-                    alive_at=alive_at)
+                    alive_at=alive_at, presume_fresh=attempt == 0 and not parked)
             except RecordChanged:
-                continue  # a run of this id ended meanwhile: judge its tombstone
+                # A first guess that there is no tombstone nor delivery count was wrong, or a
+                # run of this id ended meanwhile: read them and judge.
+                continue
         return Decision(Outcome.PARK, deliveries=known_deliveries, holder=holder,
                         alive_at=alive_at)
 
     def _decide_once(self, lease: Lease, task_id: str, *, delivery_tag: Any, queue: str | None,
                      exchange: str | None, routing_key: str | None, retries: int,
                      generation: tuple[int, int], digest: str, known_deliveries: int,
-                     parked: bool, holder: str | None, alive_at: float | None) -> Decision:
+                     parked: bool, holder: str | None, alive_at: float | None,
+                     presume_fresh: bool = False) -> Decision:
         key = keys.task_claim(task_id)
         done_key = keys.done(task_id)
-        (done, version), (seen, _) = self.store.get_many_versioned(
-            [done_key, deliveries_key(task_id)])
+        count_key = deliveries_key(task_id)
+        done: dict[str, Any] | None
+        seen: dict[str, Any] | None
+        if presume_fresh:
+            # Most deliveries are a task's first: claim at once, guarded by "no tombstone and
+            # no delivery count" (one round trip); either present → RecordChanged, and the
+            # caller reads them and decides as below.
+            done, version, seen, seen_version = None, "", None, ""
+        else:
+            (done, version), (seen, seen_version) = self.store.get_many_versioned(
+                [done_key, count_key])
         if done is not None and not is_successor(done, generation, digest):
             return Decision(Outcome.DUPLICATE)
         prior = max(known_deliveries, lenient_int((seen or {}).get("n")))
@@ -321,8 +333,9 @@ class Claimer:
             "claimed_at": time.time(),
         }
         try:
-            token = self.store.claim_unless_changed(lease, key, value, record=done_key,
-                                                    version=version)
+            token = self.store.claim_unless_changed(
+                lease, key, value, record=done_key, version=version,
+                also=[(count_key, seen_version)] if presume_fresh else ())
         except LeaseLost:
             return Decision(Outcome.NO_LEASE)
         if token is None:
@@ -352,17 +365,20 @@ class Claimer:
             StoreError: the caller retries later (``Keeper`` keeps a backlog).
         """
         lease = self._lease()
+        record: tuple[str, dict[str, Any]]
         if requeue:
-            self.store.put(deliveries_key(held.task_id), {"n": held.deliveries},
-                           ttl_s=self.done_ttl_s)
+            record = (deliveries_key(held.task_id), {"n": held.deliveries})
         else:
-            self.store.put(
-                keys.done(held.task_id),
-                {"state": state, "token": held.token, "retries": held.retries,
-                 "gen": list(held.generation), "digest": held.digest,
-                 "handoff": held.handoff, "worker": self.worker, "at": time.time()},
-                ttl_s=self.done_ttl_s,
-            )
+            record = (keys.done(held.task_id),
+                      {"state": state, "token": held.token, "retries": held.retries,
+                       "gen": list(held.generation), "digest": held.digest,
+                       "handoff": held.handoff, "worker": self.worker, "at": time.time()})
+        if held.token is not None and lease is not None and lease.name == held.lease_name:
+            # Record and unclaim in one atomic store operation (record first).
+            self.store.finish_claim(lease, keys.task_claim(held.task_id), *record,
+                                    ttl_s=self.done_ttl_s)
+            return
+        self.store.put(*record, ttl_s=self.done_ttl_s)
         self.drop(held, lease)
 
     def drop(self, held: Held, lease: Lease | None = None) -> None:
