@@ -23,6 +23,8 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from ..errors import CrawlError
+
 __all__ = [
     "DRIFT",
     "MARGIN_S",
@@ -188,6 +190,23 @@ class LeaseStore(Protocol):
 
     def claimant(self, key: str) -> Claim | None:
         """The current claim on ``key`` (alive or orphaned), or None."""
+        ...
+
+    def claim_unless_changed_many(
+        self, lease: Lease,
+        items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
+    ) -> list[int | CrawlError | None]:
+        """``claim_unless_changed`` for many ``(key, value, [(record, version), ...])`` (the
+        first pair is ``record``/``version``, the rest ``also``), each as atomic as one call,
+        in as few round trips as the store allows. Per item: the token, None, or the
+        ``StoreError`` (``RecordChanged``, ``LeaseLost``, ...) that call would have raised."""
+        ...
+
+    def finish_claims(self, lease: Lease,
+                      items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
+                      ttl_s: float) -> list[bool | CrawlError]:
+        """``finish_claim`` for many ``(claim key, record, value)``, each as atomic as one
+        call, in as few round trips as the store allows. Per item: deleted, or the error."""
         ...
 
     def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,

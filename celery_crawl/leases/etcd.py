@@ -64,6 +64,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ..errors import (
     ConfigError,
+    CrawlError,
     FencedError,
     LeaseLost,
     NotLeader,
@@ -762,6 +763,33 @@ class EtcdLeaseStore:
                          [self._del(self._k("claim", key)), self._del(live),
                           self._del(self._k("claims-of", f"{lease.name}/{key}"))])
         return bool(resp.succeeded)
+
+    def claim_unless_changed_many(
+        self, lease: Lease,
+        items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
+    ) -> list[int | CrawlError | None]:
+        """``claim_unless_changed`` for each item, one transaction each."""
+        out: list[int | CrawlError | None] = []
+        for key, value, guarded in items:
+            (record, version), *also = guarded
+            try:
+                out.append(self.claim_unless_changed(lease, key, value, record=record,
+                                                     version=version, also=also))
+            except (StoreError, LeaseLost, RecordChanged) as exc:
+                out.append(exc)
+        return out
+
+    def finish_claims(self, lease: Lease,
+                      items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
+                      ttl_s: float) -> list[bool | CrawlError]:
+        """``finish_claim`` for each item, one transaction each."""
+        out: list[bool | CrawlError] = []
+        for key, record, value in items:
+            try:
+                out.append(self.finish_claim(lease, key, record, value, ttl_s=ttl_s))
+            except (StoreError, LeaseLost) as exc:
+                out.append(exc)
+        return out
 
     def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
                      ttl_s: float) -> bool:

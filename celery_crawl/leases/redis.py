@@ -53,6 +53,7 @@ from redis.retry import Retry
 
 from ..errors import (
     ConfigError,
+    CrawlError,
     FencedError,
     LeaseLost,
     NotLeader,
@@ -283,6 +284,57 @@ class RedisLeaseStore:
                 return first, acked
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _eval_batch(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], *,
+                    wait: bool = False) -> list[Any]:
+        """Run script ``name`` once per ``(keys, args)`` in one pipelined round trip (plus
+        ``WAIT`` when asked and configured); each call stays one atomic script. Replies in
+        order; a call that failed has its error (translated) in its place. Calls refused with
+        NOSCRIPT (a restarted server) are sent once more, alone, after a reload."""
+        script = self._scripts[name]
+        use_wait = wait and self.wait_replicas > 0
+        out: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        acked: int | None = None
+        with self._translate(name):
+            for attempt in (0, 1):
+                if script.sha is None:
+                    self._load_all()
+                pipe = self._redis.pipeline(transaction=False)
+                for i in todo:
+                    keys, args = calls[i]
+                    pipe.evalsha(script.sha or "", len(keys), *keys, *args)
+                if use_wait:
+                    pipe.execute_command(
+                        "WAIT", self.wait_replicas, max(1, int(self.timeout_s * 500)))
+                self.round_trips += 1
+                replies = pipe.execute(raise_on_error=False)
+                if use_wait:
+                    last = replies.pop()
+                    acked = None if isinstance(last, Exception) else int(last)
+                retry = []
+                for i, reply in zip(todo, replies, strict=True):
+                    if isinstance(reply, NoScriptError) and attempt == 0:
+                        retry.append(i)
+                    else:
+                        out[i] = reply
+                if not retry:
+                    break
+                for each in self._scripts.values():  # a restart or failover flushed all
+                    each.sha = None
+                todo = retry
+        if self._under_acked(acked) or (use_wait and acked is None):
+            self.unacked_writes += 1
+            log.warning("%s: batched writes acknowledged by %s of %s replicas", self.url,
+                        acked, self.wait_replicas)
+        for i, reply in enumerate(out):
+            if isinstance(reply, Exception):
+                try:
+                    with self._translate(name):
+                        raise reply
+                except StoreError as exc:
+                    out[i] = exc
+        return out
+
     def _load_all(self, client: redis_lib.Redis | None = None) -> None:
         """``SCRIPT LOAD`` every script in one round trip, so no later call pays for it."""
         pipe = (client or self._redis).pipeline(transaction=False)
@@ -415,11 +467,7 @@ class RedisLeaseStore:
         ``(record, version)`` of ``also`` too, in one script (``claim_guard.lua`` +
         ``claim.lua``)."""
         guarded = [(record, version), *also]
-        keys = [self._k("lease", lease.name), self._token_key, self._k("claims-of", lease.name),
-                self._index_key, self._k("claim", key),
-                *(self._k("rec", r) for r, _ in guarded)]
-        args = [lease.name, lease.holder, lease.token, self._prefix, _dumps(value, key),
-                *(v for _, v in guarded), len(guarded)]
+        keys, args = self._claim_unless_args(lease, key, value, guarded)
         reply, acked = self._eval("claim_unless", keys, args, wait=True)
         code = int(reply[0])
         if code == -1:
@@ -434,6 +482,56 @@ class RedisLeaseStore:
             log.warning("%s: claim acknowledged by %s of %s replicas", self.url, acked,
                         self.wait_replicas)
         return int(reply[1]) or None
+
+    def _claim_unless_args(self, lease: Lease, key: str, value: Mapping[str, Any],
+                           guarded: Sequence[tuple[str, str]]) -> tuple[list[str], list[Any]]:
+        keys = [self._k("lease", lease.name), self._token_key, self._k("claims-of", lease.name),
+                self._index_key, self._k("claim", key),
+                *(self._k("rec", r) for r, _ in guarded)]
+        args = [lease.name, lease.holder, lease.token, self._prefix, _dumps(value, key),
+                *(v for _, v in guarded), len(guarded)]
+        return keys, args
+
+    def claim_unless_changed_many(
+        self, lease: Lease,
+        items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
+    ) -> list[int | CrawlError | None]:
+        """``claim_unless_changed`` for many claims, each ``(key, value, [(record, version),
+        ...])`` its own atomic script, all in one round trip. Per item: the token, None (held
+        by a live claim), or the error (``RecordChanged``, ``LeaseLost``, another
+        ``StoreError``) that call would have raised."""
+        calls = [self._claim_unless_args(lease, key, value, guarded)
+                 for key, value, guarded in items]
+        out: list[int | CrawlError | None] = []
+        for (key, _, guarded), reply in zip(
+                items, self._eval_batch("claim_unless", calls, wait=True), strict=True):
+            if isinstance(reply, CrawlError):
+                out.append(reply)
+                continue
+            code = int(reply[0])
+            if code == -1:
+                out.append(LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: "
+                                     f"it is gone or held by another holder"))
+            elif code == -2:
+                changed = guarded[int(reply[1]) - 1][0]
+                out.append(RecordChanged(f"{self.url}: claim of {key!r} refused: record "
+                                         f"{changed!r} changed since it was read"))
+            else:
+                out.append(int(reply[1]) or None)
+        return out
+
+    def finish_claims(self, lease: Lease,
+                      items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
+                      ttl_s: float) -> list[bool | CrawlError]:
+        """``finish_claim`` for many ``(claim key, record, value)``, each its own atomic script,
+        all in one round trip. Per item: whether the claim was deleted, or the error."""
+        ttl_ms = self._ttl_ms(ttl_s, "ttl_s")
+        calls = [([self._k("rec", record), self._k("claim", key),
+                   self._k("claims-of", lease.name), self._index_key],
+                  [_dumps(value, record), ttl_ms, lease.name, lease.holder, lease.token])
+                 for key, record, value in items]
+        return [r if isinstance(r, CrawlError) else bool(r)
+                for r in self._eval_batch("finish", calls)]
 
     def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
                      ttl_s: float) -> bool:

@@ -25,6 +25,8 @@ logger = logging.getLogger("celery_crawl.worker")
 
 #: A job: runs on the thread and returns what to run on the loop afterwards (or None).
 Job = Callable[[], Callable[[], Any] | None]
+#: A batch handler: items of one kind, in order -> what to run on the loop afterwards.
+Batch = Callable[[list[Any]], list[Callable[[], Any]]]
 
 _STOP = object()
 
@@ -36,27 +38,42 @@ class Offloader:
         to_loop: schedules a callable on the consumer's event loop (``hub.call_soon``).
     """
 
-    def __init__(self, to_loop: Callable[[Callable[[], None]], None]) -> None:
+    def __init__(self, to_loop: Callable[[Callable[[], None]], None],
+                 batches: dict[str, Batch] | None = None) -> None:
         self._to_loop = to_loop
+        self._batches = dict(batches or {})
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="crawl-claims", daemon=True)
         self._started = False
         self._lock = threading.Lock()
 
     def submit(self, job: Job) -> None:
+        self._put(job)
+
+    def submit_item(self, kind: str, item: Any) -> None:
+        """Queue ``item`` for the batch handler ``kind``: items of one kind queued one after
+        the other are handed to it together (one store round trip for all of them)."""
+        self._put((kind, item))
+
+    def _put(self, entry: Any) -> None:
         with self._lock:
             if not self._started:
                 self._started = True
                 self._thread.start()
-        self._jobs.put(job)
+        self._jobs.put(entry)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Run the jobs already submitted, then end the thread."""
+        """Run the jobs already submitted, then end the thread (a later job starts a new
+        one)."""
         with self._lock:
-            started = self._started
+            started, thread = self._started, self._thread
+            if started:
+                self._jobs.put(_STOP)
+                self._started = False
+                self._thread = threading.Thread(target=self._run, name="crawl-claims",
+                                                daemon=True)
         if started:
-            self._jobs.put(_STOP)
-            self._thread.join(timeout_s)
+            thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:
@@ -69,11 +86,22 @@ class Offloader:
                     break
             follow_ups: list[Callable[[], Any]] = []
             stop = False
-            for each in batch:
+            i = 0
+            while i < len(batch):
+                each = batch[i]
+                i += 1
                 if each is _STOP:
                     stop = True
                     continue
                 try:
+                    if isinstance(each, tuple):
+                        kind, items = each[0], [each[1]]
+                        while i < len(batch) and isinstance(batch[i], tuple) and (
+                                batch[i][0] == kind):
+                            items.append(batch[i][1])
+                            i += 1
+                        follow_ups.extend(self._batches[kind](items))
+                        continue
                     after = each()
                 except Exception:
                     logger.exception("celery-crawl: a claim or completion job failed")

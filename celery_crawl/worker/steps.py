@@ -21,6 +21,7 @@ the store for a lease change).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import signal as _signal
@@ -107,8 +108,11 @@ class LeaseStep(bootsteps.StartStopStep):
         #: The lease the last claim decision on this thread was made under.
         self._decided = threading.local()
         #: Store calls of deliveries and completions, off the event loop (``offload.py``).
-        self._offload = Offloader(self._in_loop)
+        self._offload = Offloader(self._to_loop, {"decide": self._decide_batch,
+                                                  "finish": self._complete_batch})
         self._loop_ident: int | None = None
+        #: Between ``attach`` and ``detach``: the consumer's loop runs and takes follow-ups.
+        self._loop_running = False
         # Before the pool forks (our start runs after it), so every child inherits the path.
         finishing.setup()
         w.crawl_lease = self
@@ -191,6 +195,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self.consumer = c
         # The consumer's loop runs on this thread.
         self._loop_ident = threading.get_ident()
+        self._loop_running = True
         # Celery's Tasks step has just started consuming on the new channel.
         self.consuming = True
         for name in list(c.strategies):
@@ -248,6 +253,11 @@ class LeaseStep(bootsteps.StartStopStep):
         return False
 
     def detach(self, c: Any) -> None:
+        # The loop has stopped (shutdown, or a lost connection): what is still queued off the
+        # loop finishes now, its follow-ups run on the offload thread while this thread waits
+        # (acks of recorded ends go out; decisions are not applied, see ``_apply_later``).
+        self._loop_running = False
+        self._offload.stop()
         entry = getattr(c, "_crawl_recheck", None)
         if entry is not None:
             with contextlib.suppress(Exception):
@@ -301,29 +311,50 @@ class LeaseStep(bootsteps.StartStopStep):
         """Whether store calls of this thread go to the offload thread: only on the running
         event loop (a threads-pool thread may block; so may a loop that is not running)."""
         return (getattr(self.worker, "hub", None) is not None and not self._closed
-                and threading.get_ident() == self._loop_ident)
+                and self._loop_running and threading.get_ident() == self._loop_ident)
+
+    def _to_loop(self, fn: Callable[[], None]) -> None:
+        """Follow-ups of offloaded jobs: on the loop while it runs, else here (``detach``
+        waits for this thread meanwhile)."""
+        if self._loop_running:
+            self._in_loop(fn)
+        else:
+            fn()
 
     def _decide_later(self, held: Held) -> None:
         """Decide a fresh delivery on the offload thread; apply the decision on the loop."""
         held.extra["consumer"] = self.consumer
+        self._offload.submit_item("decide", held)
 
-        def job() -> Callable[[], None]:
-            decision, claimed_under = self._decision_for(held)
-            return lambda: self._apply_later(held, decision, claimed_under)
-
-        self._offload.submit(job)
+    def _decide_batch(self, helds: list[Held]) -> list[Callable[[], None]]:
+        """Offload thread: decide deliveries received together (``Claimer.decide_fresh``)."""
+        assert self.claimer is not None
+        try:
+            decisions, lease = self.claimer.decide_fresh(helds)
+        except StoreError as exc:
+            # Fail closed: neither run nor drop; look again on the next re-check.
+            logger.warning("celery-crawl: cannot claim %d delivery(ies) (%s); parked",
+                           len(helds), exc)
+            decisions, lease = [Decision(Outcome.PARK, deliveries=h.deliveries)
+                                for h in helds], None
+        return [functools.partial(self._apply_later, held, decision, lease)
+                for held, decision in zip(helds, decisions, strict=True)]
 
     def _apply_later(self, held: Held, decision: Decision, claimed_under: Lease | None) -> None:
         """Apply a decision made off the loop, unless the world changed while it was made: the
         consumer was rebuilt (Celery dropped the reserved deliveries of the old connection) or
         the lease the claim was made under is no longer the current one."""
         claimed = decision.outcome in (Outcome.RUN, Outcome.POISON)
-        if held.extra.get("consumer") is not self.consumer or self._closed:
+        if (held.extra.get("consumer") is not self.consumer or self._closed
+                or not self._loop_running):
             if claimed:
                 held.token, held.deliveries = decision.token, decision.deliveries
                 held.lease_name = claimed_under.name if claimed_under else None
                 held.holder = claimed_under.holder if claimed_under else None
-                self._offload.submit(lambda: self._forget_one(held))
+                if self._loop_running:
+                    self._offload.submit(lambda: self._forget_one(held))
+                else:
+                    self._forget_one(held)
             return
         if claimed and self.config.on_lease_loss == "cancel":
             lease = self.keeper.lease if self.keeper else None
@@ -509,11 +540,35 @@ class LeaseStep(bootsteps.StartStopStep):
         """Record the end on the offload thread, then settle the message on the loop: the
         tombstone is written before the ack, as on the synchronous path."""
 
-        def job() -> Callable[[], None]:
-            self._complete(held, state, requeue=requeue)
-            return lambda: None if held.fenced else settle()
+        self._offload.submit_item("finish", (held, state, requeue, settle))
 
-        self._offload.submit(job)
+    def _complete_batch(self, ends: list[tuple[Held, str, bool, Callable[[], Any]]]
+                        ) -> list[Callable[[], None]]:
+        """Offload thread: record the ends of runs that ended together (one store round trip,
+        ``Claimer.finish_many``), then settle their messages on the loop."""
+        assert self.claimer is not None
+        recorded: list[tuple[Held, str, bool]] = []
+        for held, state, requeue, _ in ends:
+            held.handoff = finishing.handed_off(held.task_id)
+            finishing.clear(held.task_id)
+            if self.book.pop(held) is not None:
+                recorded.append((held, state, requeue))
+        metrics.WORKER_CLAIMS.set(len(self.book))
+        if recorded:
+            if self.keeper is None or self.keeper.lease is None:
+                for held, state, requeue in recorded:
+                    self._defer(held, state, requeue)
+            else:
+                errors = self.claimer.finish_many(recorded)
+                for (held, state, requeue), exc in zip(recorded, errors, strict=True):
+                    if exc is not None:
+                        logger.warning("celery-crawl: recording the end of %s failed (%s); "
+                                       "will retry", held.task_id, exc)
+                        self._defer(held, state, requeue)
+                    elif held.handoff:
+                        self._wake_parked(held.task_id)
+        return [functools.partial(_settle_unless_fenced, held, settle)
+                for held, _, _, settle in ends]
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
         held.handoff = finishing.handed_off(held.task_id)
@@ -827,6 +882,12 @@ class ClaimStep(bootsteps.StartStopStep):
 
     def shutdown(self, c: Any) -> None:
         self.stop(c)
+
+
+def _settle_unless_fenced(held: Held, settle: Callable[[], Any]) -> None:
+    """Settle a message whose end was recorded, unless a lease loss released it meanwhile."""
+    if not held.fenced:
+        settle()
 
 
 def _channel_gone(message: Any) -> bool:
