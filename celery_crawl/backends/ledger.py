@@ -12,12 +12,16 @@ is main-process-only.
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kombu.utils.encoding import bytes_to_str
 
+from ..clock import monotonic
 from ..errors import StoreError
 
 if TYPE_CHECKING:
@@ -152,12 +156,14 @@ class KeyLedger:
 
 
 class Heartbeat:
-    """Keeps a run's ownership of its key (or its rollback lock) alive from a daemon thread
-    (every ttl/3).
+    """Keeps a run's ownership of its key (or its rollback lock) alive (a beat every ttl/3).
 
     A run that stops beating (killed, frozen) loses the key once the TTL passes; the next
     delivery then takes it over, and the frozen run finds itself fenced when it resumes. A
     rollback lock lapses the same way, and the run waiting for it takes it over.
+
+    All runs of a process share one daemon thread (``_Beats``): a thread started and joined per
+    run cost more than the run of a short task, while most runs end before their first beat.
     """
 
     def __init__(self, ledger: KeyLedger, run_id: str,
@@ -165,27 +171,83 @@ class Heartbeat:
         self._ledger = ledger
         self._run_id = run_id
         # What one beat extends: the key's ownership by default, or a rollback lock.
-        self._beat = beat or (lambda: ledger.touch(run_id))
-        self._stop = threading.Event()
+        self._extend = beat or (lambda: ledger.touch(run_id))
+        self.interval_s = ledger.heartbeat_ttl_ms / 3000.0
         self.fenced = False
-        self._thread = threading.Thread(target=self._loop, name="crawl-idem-heartbeat",
-                                        daemon=True)
+        self.stopped = False
+        #: Held while a beat of this run is in flight, so ``stop`` returns after it.
+        self.busy = threading.Lock()
 
     def start(self) -> Heartbeat:
-        self._thread.start()
+        _beats().add(self)
         return self
 
-    def _loop(self) -> None:
-        interval = self._ledger.heartbeat_ttl_ms / 3000.0
-        while not self._stop.wait(interval):
+    def beat(self) -> bool:
+        """One beat; False once fenced or stopped (no further beats)."""
+        with self.busy:
+            if self.stopped:
+                return False
             try:
-                if not self._beat():
+                if not self._extend():
                     self.fenced = True
-                    return
+                    return False
             except Exception:  # a transient Redis error: the next beat retries
-                continue
+                pass
+            return True
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self.stopped = True
+        with self.busy:  # a beat in flight has ended
+            pass
+
+
+class _Beats:
+    """One thread beating every started ``Heartbeat`` of this process when it is due."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, Heartbeat]] = []
+        self._seq = itertools.count()
+        self.pid = os.getpid()
+        self._thread = threading.Thread(target=self._loop, name="crawl-idem-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def add(self, hb: Heartbeat) -> None:
+        with self._cond:
+            heapq.heappush(self._due, (monotonic() + hb.interval_s, next(self._seq), hb))
+            if self._due[0][2] is hb:
+                self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    # Runs that ended are dropped as they come up (no search per stop).
+                    while self._due and self._due[0][2].stopped:
+                        heapq.heappop(self._due)
+                    if not self._due:
+                        self._cond.wait()
+                        continue
+                    wait = self._due[0][0] - monotonic()
+                    if wait <= 0:
+                        _, _, hb = heapq.heappop(self._due)
+                        break
+                    self._cond.wait(wait)
+            if hb.beat():
+                with self._cond:
+                    heapq.heappush(self._due,
+                                   (monotonic() + hb.interval_s, next(self._seq), hb))
+
+
+_beats_lock = threading.Lock()
+_the_beats: _Beats | None = None
+
+
+def _beats() -> _Beats:
+    """This process's beater (a forked pool child starts its own)."""
+    global _the_beats
+    with _beats_lock:
+        if _the_beats is None or _the_beats.pid != os.getpid():
+            _the_beats = _Beats()
+        return _the_beats

@@ -23,6 +23,8 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from ..errors import CrawlError
+
 __all__ = [
     "DRIFT",
     "MARGIN_S",
@@ -177,9 +179,11 @@ class LeaseStore(Protocol):
         ...
 
     def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
-                             record: str, version: str) -> int | None:
+                             record: str, version: str,
+                             also: Sequence[tuple[str, str]] = ()) -> int | None:
         """``claim``, in the same atomic operation as a check that record ``record`` still has
-        the ``version`` read by ``get_many_versioned`` (``""``: still absent).
+        the ``version`` read by ``get_many_versioned`` (``""``: still absent), and every
+        ``(record, version)`` of ``also`` too.
 
         The caller decides from the record (a worker: the task's done tombstone) and claims
         only if that decision still holds when the claim is made, so no writer of the record
@@ -189,6 +193,30 @@ class LeaseStore(Protocol):
 
     def claimant(self, key: str) -> Claim | None:
         """The current claim on ``key`` (alive or orphaned), or None."""
+        ...
+
+    def claim_unless_changed_many(
+        self, lease: Lease,
+        items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
+    ) -> list[int | CrawlError | None]:
+        """``claim_unless_changed`` for many ``(key, value, [(record, version), ...])`` (the
+        first pair is ``record``/``version``, the rest ``also``), each as atomic as one call,
+        in as few round trips as the store allows. Per item: the token, None, or the
+        ``StoreError`` (``RecordChanged``, ``LeaseLost``, ...) that call would have raised."""
+        ...
+
+    def finish_claims(self, lease: Lease,
+                      items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
+                      ttl_s: float) -> list[bool | CrawlError]:
+        """``finish_claim`` for many ``(claim key, record, value)``, each as atomic as one
+        call, in as few round trips as the store allows. Per item: deleted, or the error."""
+        ...
+
+    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
+                     ttl_s: float) -> bool:
+        """The end of a claimed run in one atomic operation: write record ``record``
+        (unfenced, expiring after ``ttl_s``), then delete claim ``key`` if it is bound to
+        ``lease``. The record is written even when the claim is not ours. True if deleted."""
         ...
 
     def unclaim(self, lease: Lease, key: str) -> bool:

@@ -1,12 +1,20 @@
--- Prepended to claim.lua as the script claim_unless: one claim, made only if a record is
--- unchanged since the caller read it (the done tombstone a worker decided on), in the same
--- atomic step. The first key and the first argument are the guard's; they are taken off before
--- claim.lua's body runs, so that body sees its own KEYS and ARGV (previous claimants' lease keys
--- included, see claim.lua).
--- KEYS[1] record key, ARGV[1] the record's JSON as read ('' = it was absent)
--- Returns {-3} when the record changed (nothing written), else what claim.lua returns.
-local guard_key = table.remove(KEYS, 1)
-local expected = table.remove(ARGV, 1)
-local current = redis.pcall('HGET', guard_key, 'v')
-if type(current) == 'table' then return {-3} end
-if (current or '') ~= expected then return {-3} end
+-- Prepended to claim.lua as the script claim_unless: one claim, made only if some records are
+-- unchanged since the caller read them (the done tombstone a worker decided on, and the task's
+-- delivery count), in the same atomic step. The guard's keys are the first n KEYS and its
+-- arguments the first n + 1 ARGV (n, then the n versions); they are taken off before claim.lua's
+-- body runs, so that body sees its own KEYS and ARGV (previous claimants' lease keys included,
+-- see claim.lua).
+-- ARGV[1] n, KEYS[1..n] record keys, ARGV[2..n+1] each record's JSON as read ('' = absent)
+-- Returns {-3, i} when record i (1-based among the guarded) changed (nothing written), else
+-- what claim.lua returns.
+local n = tonumber(table.remove(ARGV, 1))
+local guard_keys, expected = {}, {}
+for i = 1, n do
+  guard_keys[i] = table.remove(KEYS, 1)
+  expected[i] = table.remove(ARGV, 1)
+end
+for i = 1, n do
+  local current = redis.pcall('HGET', guard_keys[i], 'v')
+  if type(current) == 'table' then return {-3, i} end
+  if (current or '') ~= expected[i] then return {-3, i} end
+end

@@ -62,6 +62,7 @@ from typing import Any
 
 from ..errors import (
     ConfigError,
+    CrawlError,
     LeaseLost,
     RecordChanged,
     StoreDataError,
@@ -605,17 +606,19 @@ class EtcdLeaseStore(StoreDriver):
         return out
 
     def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
-                             record: str, version: str) -> int | None:
-        """``claim`` iff record ``record`` still has mod revision ``version``, in one
-        transaction: the lease and the record are compared at the top level, the claim's
-        ``live`` marker in a nested transaction; on failure the lease key and the record are read
-        back to tell a lost lease from a changed record."""
-        rec = self._k("rec", record)
-        try:
-            expected = int(version or 0)
-        except ValueError as exc:
-            raise RecordChanged(f"{self.url}: {record!r}: not a version of this store: "
-                                f"{version!r}") from exc
+                             record: str, version: str,
+                             also: Sequence[tuple[str, str]] = ()) -> int | None:
+        """``claim`` iff record ``record`` still has mod revision ``version`` (and every
+        ``(record, version)`` of ``also`` too), in one transaction: the lease and the records
+        are compared at the top level, the claim's ``live`` marker in a nested transaction; on
+        failure the lease key is read back to tell a lost lease from a changed record."""
+        guards = []
+        for name, ver in ((record, version), *also):
+            try:
+                guards.append(self._cmp(self._k("rec", name), "MOD", "EQUAL", int(ver or 0)))
+            except ValueError as exc:
+                raise RecordChanged(f"{self.url}: {name!r}: not a version of this store: "
+                                    f"{ver!r}") from exc
         live = self._k("live", key)
         doc = _dumps({"lease": lease.name, "holder": lease.holder, "value": dict(value)}, key)
         nested = self._rpc.RequestOp(request_txn=self._rpc.TxnRequest(
@@ -625,9 +628,9 @@ class EtcdLeaseStore(StoreDriver):
                      self._put(self._k("claims-of", f"{lease.name}/{key}"), b"")],
         ))
         resp = self._txn(
-            "claim", [*self._lease_current(lease), self._cmp(rec, "MOD", "EQUAL", expected)],
+            "claim", [*self._lease_current(lease), *guards],
             [self._put(self._k("claim-leases", lease.name), b""), nested],
-            [self._get(self._k("lease", lease.name)), self._get(rec)])
+            [self._get(self._k("lease", lease.name))])
         if not resp.succeeded:
             lkv = resp.responses[0].response_range.kvs
             if not lkv or lkv[0].lease != (lease.handle or 0) or (
@@ -715,6 +718,57 @@ class EtcdLeaseStore(StoreDriver):
                          [self._del(self._k("claim", key)), self._del(live),
                           self._del(self._k("claims-of", f"{lease.name}/{key}"))])
         return bool(resp.succeeded)
+
+    def claim_unless_changed_many(
+        self, lease: Lease,
+        items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
+    ) -> list[int | CrawlError | None]:
+        """``claim_unless_changed`` for each item, one transaction each."""
+        out: list[int | CrawlError | None] = []
+        for key, value, guarded in items:
+            (record, version), *also = guarded
+            try:
+                out.append(self.claim_unless_changed(lease, key, value, record=record,
+                                                     version=version, also=also))
+            except (StoreError, LeaseLost, RecordChanged) as exc:
+                out.append(exc)
+        return out
+
+    def finish_claims(self, lease: Lease,
+                      items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
+                      ttl_s: float) -> list[bool | CrawlError]:
+        """``finish_claim`` for each item, one transaction each."""
+        out: list[bool | CrawlError] = []
+        for key, record, value in items:
+            try:
+                out.append(self.finish_claim(lease, key, record, value, ttl_s=ttl_s))
+            except (StoreError, LeaseLost) as exc:
+                out.append(exc)
+        return out
+
+    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
+                     ttl_s: float) -> bool:
+        """Write record ``record`` (unfenced, ``ttl_s``) and delete claim ``key`` if its live
+        marker belongs to ``lease``'s etcd lease, in one transaction; True if deleted."""
+        if not ttl_s > 0:
+            raise ConfigError(f"ttl_s: must be positive, got {ttl_s!r}")
+        live = self._k("live", key)
+        for attempt in range(2):
+            record_lease = self._buckets.lease_for(ttl_s, 1)
+            put = self._put(self._k("rec", record), _dumps(value, record), record_lease)
+            try:
+                resp = self._txn(
+                    "finish", [self._cmp(live, "LEASE", "EQUAL", lease.handle or 0),
+                               self._cmp(live, "CREATE", "GREATER", 0)],
+                    [put, self._del(self._k("claim", key)), self._del(live),
+                     self._del(self._k("claims-of", f"{lease.name}/{key}"))],
+                    [put])
+                return bool(resp.succeeded)
+            except StoreError as exc:
+                if attempt or "lease not found" not in str(exc):
+                    raise
+                self._buckets.forget(record_lease)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def claims_of(self, lease_name: str) -> list[Claim]:
         """Every claim bound to ``lease_name``, from its index prefix."""

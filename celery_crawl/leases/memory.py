@@ -35,6 +35,7 @@ from typing import Any
 
 from ..errors import (
     ConfigError,
+    CrawlError,
     LeaseLost,
     RecordChanged,
     StoreError,
@@ -317,17 +318,66 @@ class MemoryLeaseStore(StoreDriver):
         return token
 
     def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
-                             record: str, version: str) -> int | None:
-        """``claim`` iff record ``record`` still has revision ``version``, in one step."""
+                             record: str, version: str,
+                             also: Sequence[tuple[str, str]] = ()) -> int | None:
+        """``claim`` iff record ``record`` still has revision ``version`` (and every
+        ``(record, version)`` of ``also`` too), in one step."""
         doc = dumps(value, key)
         with self._op("claim") as space:
-            if not self._current(space, lease):
-                raise self._cannot_claim(lease)
+            return self._claim_guarded(space, lease, key, doc, [(record, version), *also])
+
+    def _claim_guarded(self, space: _Space, lease: Lease, key: str, doc: str,
+                       guarded: Sequence[tuple[str, str]]) -> int | None:
+        if not self._current(space, lease):
+            raise self._cannot_claim(lease)
+        for record, version in guarded:
             rec = self._record(space, record)
             if (str(rec.revision) if rec is not None else "") != version:
                 raise RecordChanged(f"{self.url}: claim of {key!r} refused: record {record!r} "
                                     f"changed since it was read")
-            return self._claim_one(space, lease, key, doc)
+        return self._claim_one(space, lease, key, doc)
+
+    def claim_unless_changed_many(
+        self, lease: Lease,
+        items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
+    ) -> list[int | CrawlError | None]:
+        """``claim_unless_changed`` for many claims, each decided on its own, in one step."""
+        docs = [dumps(value, key) for key, value, _ in items]
+        out: list[int | CrawlError | None] = []
+        with self._op("claim") as space:
+            for (key, _, guarded), doc in zip(items, docs, strict=True):
+                try:
+                    out.append(self._claim_guarded(space, lease, key, doc, guarded))
+                except CrawlError as exc:
+                    out.append(exc)
+        return out
+
+    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
+                     ttl_s: float) -> bool:
+        """Write ``record`` (unfenced, ``ttl_s``), then delete claim ``key`` if it is ours."""
+        got = self.finish_claims(lease, [(key, record, value)], ttl_s=ttl_s)[0]
+        if isinstance(got, CrawlError):
+            raise got
+        return got
+
+    def finish_claims(self, lease: Lease,
+                      items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
+                      ttl_s: float) -> list[bool | CrawlError]:
+        """``finish_claim`` for many ``(claim key, record, value)``, in one step."""
+        ttl = self._ttl(ttl_s, "ttl_s")
+        values = [dumps(value, record) for _, record, value in items]
+        out: list[bool | CrawlError] = []
+        with self._op("finish") as space:
+            expires_at = space.clock() + ttl
+            for (key, record, _), value in zip(items, values, strict=True):
+                self._write(space, record, value, None, expires_at)
+                claim = space.claims.get((self.namespace, key))
+                ours = claim is not None and (claim.lease_name, claim.holder, claim.ltoken) == (
+                    lease.name, lease.holder, lease.token)
+                if ours:
+                    del space.claims[(self.namespace, key)]
+                out.append(ours)
+        return out
 
     def claimant(self, key: str) -> Claim | None:
         """The current claim on ``key`` (alive or orphaned), or None."""

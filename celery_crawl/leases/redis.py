@@ -68,6 +68,7 @@ from redis.retry import Retry
 
 from ..errors import (
     ConfigError,
+    CrawlError,
     LeaseLost,
     RecordChanged,
     StoreDataError,
@@ -175,7 +176,7 @@ def _load_scripts() -> dict[str, _Script]:
     prelude = (pkg / "_token.lua").read_text(encoding="utf-8")
     scripts = {}
     for name in ("acquire", "renew", "release", "claim", "read_claims", "orphans", "unclaim",
-                 "put", "delete", "pop", "ack"):
+                 "put", "delete", "pop", "ack", "finish"):
         body = (pkg / f"{name}.lua").read_text(encoding="utf-8")
         scripts[name] = _Script(name, prelude + "\n" + body)
     guard = (pkg / "claim_guard.lua").read_text(encoding="utf-8")
@@ -368,6 +369,57 @@ class RedisLeaseStore(StoreDriver):
                 return first, acked
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _eval_batch(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], *,
+                    wait: bool = False) -> list[Any]:
+        """Run script ``name`` once per ``(keys, args)`` in one pipelined round trip (plus
+        ``WAIT`` when asked and configured); each call stays one atomic script. Replies in
+        order; a call that failed has its error (translated) in its place. Calls refused with
+        NOSCRIPT (a restarted server) are sent once more, alone, after a reload."""
+        script = self._scripts[name]
+        use_wait = wait and self.wait_replicas > 0
+        out: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        acked: int | None = None
+        with self._translate(name):
+            for attempt in (0, 1):
+                if script.sha is None:
+                    self._load_all()
+                pipe = self._redis.pipeline(transaction=False)
+                for i in todo:
+                    keys, args = calls[i]
+                    pipe.evalsha(script.sha or "", len(keys), *keys, *args)
+                if use_wait:
+                    pipe.execute_command(
+                        "WAIT", self.wait_replicas, max(1, int(self.timeout_s * 500)))
+                self.round_trips += 1
+                replies = pipe.execute(raise_on_error=False)
+                if use_wait:
+                    last = replies.pop()
+                    acked = None if isinstance(last, Exception) else int(last)
+                retry = []
+                for i, reply in zip(todo, replies, strict=True):
+                    if isinstance(reply, NoScriptError) and attempt == 0:
+                        retry.append(i)
+                    else:
+                        out[i] = reply
+                if not retry:
+                    break
+                for each in self._scripts.values():  # a restart or failover flushed all
+                    each.sha = None
+                todo = retry
+        if self._under_acked(acked) or (use_wait and acked is None):
+            self.unacked_writes += 1
+            log.warning("%s: batched writes acknowledged by %s of %s replicas", self.url,
+                        acked, self.wait_replicas)
+        for i, reply in enumerate(out):
+            if isinstance(reply, Exception):
+                try:
+                    with self._translate(name):
+                        raise reply
+                except StoreError as exc:
+                    out[i] = exc
+        return out
+
     def _load_all(self, client: redis_lib.Redis | None = None) -> None:
         """``SCRIPT LOAD`` every script in one round trip, so no later call pays for it."""
         pipe = (client or self._redis).pipeline(transaction=False)
@@ -496,18 +548,16 @@ class RedisLeaseStore(StoreDriver):
         return out
 
     def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
-                             record: str, version: str) -> int | None:
-        """``claim`` iff record ``record`` still holds ``version`` (its JSON as read), in one
-        script (``claim_guard.lua`` + ``claim.lua``; plus one round trip when the previous
-        claimant's lease keys must be declared, as for ``claim_many``)."""
+                             record: str, version: str,
+                             also: Sequence[tuple[str, str]] = ()) -> int | None:
+        """``claim`` iff record ``record`` still holds ``version`` (its JSON as read), and every
+        ``(record, version)`` of ``also`` too, in one script (``claim_guard.lua`` +
+        ``claim.lua``; plus one round trip when the previous claimant's lease keys must be
+        declared, as for ``claim_many``)."""
+        guarded = [(record, version), *also]
         previous: list[str] = []
         for _ in range(_READ_ATTEMPTS):
-            keys = [self._k("rec", record), self._k("lease", lease.name), self._token_key,
-                    self._k("claims-of", lease.name), self._index_key, self._k("claim", key)]
-            for name in previous:
-                keys += [self._k("lease", name), self._k("claims-of", name)]
-            args = [version, lease.name, lease.holder, lease.token, self._prefix,
-                    _dumps(value, key), *previous]
+            keys, args = self._claim_unless_args(lease, key, value, guarded, previous)
             reply, acked = self._eval("claim_unless", keys, args, wait=True)
             if int(reply[0]) != -2:
                 break
@@ -515,18 +565,96 @@ class RedisLeaseStore(StoreDriver):
         else:
             raise StoreError(f"{self.url}: claim {key!r} kept changing hands while being "
                              f"claimed ({_READ_ATTEMPTS} attempts)")
-        code = int(reply[0])
-        if code == -1:
-            raise LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: "
-                            f"it is gone or held by another holder")
-        if code == -3:
-            raise RecordChanged(f"{self.url}: claim of {key!r} refused: record {record!r} "
-                                f"changed since it was read")
+        got = self._claim_unless_outcome(lease, key, guarded, reply)
+        if isinstance(got, CrawlError):
+            raise got
         if self._under_acked(acked):
             self.unacked_writes += 1
             log.warning("%s: claim acknowledged by %s of %s replicas", self.url, acked,
                         self.wait_replicas)
+        return got
+
+    def _claim_unless_args(self, lease: Lease, key: str, value: Mapping[str, Any],
+                           guarded: Sequence[tuple[str, str]],
+                           previous: Sequence[str] = ()) -> tuple[list[str], list[Any]]:
+        """The guard's records first (``claim_guard.lua`` takes them off), then ``claim.lua``'s
+        own keys and arguments, previous claimants' lease keys included."""
+        keys = [*(self._k("rec", r) for r, _ in guarded),
+                self._k("lease", lease.name), self._token_key, self._k("claims-of", lease.name),
+                self._index_key, self._k("claim", key)]
+        for name in previous:
+            keys += [self._k("lease", name), self._k("claims-of", name)]
+        args = [len(guarded), *(v for _, v in guarded),
+                lease.name, lease.holder, lease.token, self._prefix, _dumps(value, key),
+                *previous]
+        return keys, args
+
+    def _claim_unless_outcome(self, lease: Lease, key: str, guarded: Sequence[tuple[str, str]],
+                              reply: Sequence[Any]) -> int | CrawlError | None:
+        code = int(reply[0])
+        if code == -1:
+            return LeaseLost(f"{self.url}: cannot claim under lease {lease.name!r}: "
+                             f"it is gone or held by another holder")
+        if code == -3:
+            changed = guarded[int(reply[1]) - 1][0]
+            return RecordChanged(f"{self.url}: claim of {key!r} refused: record {changed!r} "
+                                 f"changed since it was read")
         return int(reply[1]) or None
+
+    def claim_unless_changed_many(
+        self, lease: Lease,
+        items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
+    ) -> list[int | CrawlError | None]:
+        """``claim_unless_changed`` for many claims, each ``(key, value, [(record, version),
+        ...])`` its own atomic script, all in one round trip (a takeover of a dead claimant's
+        key takes one more, for that item alone). Per item: the token, None (held by a live
+        claim), or the error (``RecordChanged``, ``LeaseLost``, another ``StoreError``) that
+        call would have raised."""
+        calls = [self._claim_unless_args(lease, key, value, guarded)
+                 for key, value, guarded in items]
+        out: list[int | CrawlError | None] = []
+        for (key, value, guarded), reply in zip(
+                items, self._eval_batch("claim_unless", calls, wait=True), strict=True):
+            if isinstance(reply, CrawlError):
+                out.append(reply)
+            elif int(reply[0]) == -2:
+                # The key's previous claimant's lease keys were not declared: this item again,
+                # with them (nothing was written).
+                (record, version), *also = guarded
+                try:
+                    out.append(self.claim_unless_changed(lease, key, value, record=record,
+                                                         version=version, also=also))
+                except CrawlError as exc:
+                    out.append(exc)
+            else:
+                out.append(self._claim_unless_outcome(lease, key, guarded, reply))
+        return out
+
+    def finish_claims(self, lease: Lease,
+                      items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
+                      ttl_s: float) -> list[bool | CrawlError]:
+        """``finish_claim`` for many ``(claim key, record, value)``, each its own atomic script,
+        all in one round trip. Per item: whether the claim was deleted, or the error."""
+        ttl_ms = self._ttl_ms(ttl_s, "ttl_s")
+        calls = [([self._k("rec", record), self._k("claim", key),
+                   self._k("claims-of", lease.name), self._index_key],
+                  [_dumps(value, record), ttl_ms, lease.name, lease.holder, lease.token])
+                 for key, record, value in items]
+        return [r if isinstance(r, CrawlError) else bool(r)
+                for r in self._eval_batch("finish", calls)]
+
+    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
+                     ttl_s: float) -> bool:
+        """Write record ``record`` (unfenced, ``ttl_s``), then delete claim ``key`` if it is
+        bound to ``lease``, in one script (``finish.lua``); True if the claim was deleted."""
+        reply, _ = self._eval(
+            "finish",
+            [self._k("rec", record), self._k("claim", key), self._k("claims-of", lease.name),
+             self._index_key],
+            [_dumps(value, record), self._ttl_ms(ttl_s, "ttl_s"), lease.name, lease.holder,
+             lease.token],
+        )
+        return bool(reply)
 
     def _claims_from(self, flat: Sequence[Any], *, strict: bool) -> list[Claim]:
         """Claims from a script's flat reply. Foreign data raises ``StoreDataError`` naming the

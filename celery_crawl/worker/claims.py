@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import keys
-from ..errors import LeaseLost, RecordChanged
+from ..errors import LeaseLost, RecordChanged, StoreError
 from ..leases.base import Claim, Lease, LeaseStore
 
 __all__ = [
@@ -253,6 +253,8 @@ class Claimer:
         parked: bool = False,
         holder: str | None = None,
         alive_at: float | None = None,
+        presume_fresh: bool = True,
+        under: Lease | None = None,
     ) -> Decision:
         """Decide one delivery (a fresh one, or a parked one being looked at again).
 
@@ -265,13 +267,16 @@ class Claimer:
                 task of a dead worker (``Decision.died_at``).
             holder: the holder of the live claim we parked behind (``Decision.holder``).
             alive_at: when that claim was last seen alive (``Decision.alive_at``).
+            presume_fresh: a delivery not parked is first claimed guarded by "no tombstone and
+                no delivery count" (one round trip); False reads them first.
+            under: claim under this lease rather than the current one (a batch's lease).
 
         Raises:
             StoreError: the store failed; the caller requeues the message (fails closed).
         """
         gen = generation if generation is not None else (0, retries)
-        for _ in range(3):
-            lease = self._lease()
+        for attempt in range(4):
+            lease = under if under is not None else self._lease()
             if lease is None:
                 return Decision(Outcome.NO_LEASE)
             try:
@@ -279,20 +284,84 @@ class Claimer:
                     lease, task_id, delivery_tag=delivery_tag, queue=queue, exchange=exchange,
                     routing_key=routing_key, retries=retries, generation=gen, digest=digest,
                     known_deliveries=known_deliveries, parked=parked, holder=holder,
-                    alive_at=alive_at)
+                    alive_at=alive_at,
+                    presume_fresh=presume_fresh and attempt == 0 and not parked)
             except RecordChanged:
-                continue  # a run of this id ended meanwhile: judge its tombstone
+                # A first guess that there is no tombstone nor delivery count was wrong, or a
+                # run of this id ended meanwhile: read them and judge.
+                continue
         return Decision(Outcome.PARK, deliveries=known_deliveries, holder=holder,
                         alive_at=alive_at)
+
+    def decide_fresh(self, helds: list[Held]) -> tuple[list[Decision], Lease | None]:
+        """Decide deliveries received together, none of them parked, and the lease their
+        claims are made under.
+
+        Each is first claimed guarded by "no tombstone and no delivery count", all in one store
+        round trip (``claim_unless_changed_many``: each claim stays atomic with its own check);
+        those the guess was wrong for, or that found a live claim, are then decided one by one
+        as ``decide`` does.
+
+        Raises:
+            StoreError: the batch call failed; the caller parks them all (fails closed).
+        """
+        lease = self._lease()
+        if lease is None:
+            return [Decision(Outcome.NO_LEASE) for _ in helds], None
+        items: list[tuple[str, Mapping[str, Any], list[tuple[str, str]]]] = []
+        for held in helds:
+            items.append((keys.task_claim(held.task_id),
+                          self._value(lease, held, held.deliveries + 1),
+                          [(keys.done(held.task_id), ""), (deliveries_key(held.task_id), "")]))
+        replies = self.store.claim_unless_changed_many(lease, items)
+        out: list[Decision] = []
+        for held, reply in zip(helds, replies, strict=True):
+            deliveries = held.deliveries + 1
+            if isinstance(reply, int):
+                out.append(Decision(Outcome.POISON if deliveries >= self.max_deliveries
+                                    else Outcome.RUN, token=reply, deliveries=deliveries))
+            elif isinstance(reply, LeaseLost):
+                out.append(Decision(Outcome.NO_LEASE))
+            elif reply is None or isinstance(reply, RecordChanged):
+                out.append(self.decide(
+                    held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
+                    exchange=held.extra.get("exchange"),
+                    routing_key=held.extra.get("routing_key"), retries=held.retries,
+                    generation=held.generation, digest=held.digest,
+                    known_deliveries=held.deliveries, presume_fresh=False, under=lease))
+            else:
+                # This one call failed (the others stand): fail closed, look again later.
+                logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, reply)
+                out.append(Decision(Outcome.PARK, deliveries=held.deliveries))
+        return out, lease
+
+    def _value(self, lease: Lease, held: Held, deliveries: int) -> dict[str, Any]:
+        return {
+            "lease": lease.name, "worker": self.worker,
+            "delivery_tag": json_tag(held.delivery_tag), "queue": held.queue,
+            "exchange": held.extra.get("exchange"), "routing_key": held.extra.get("routing_key"),
+            "deliveries": deliveries, "retries": held.retries, "ttl_s": lease.ttl_s,
+            "claimed_at": time.time(),
+        }
 
     def _decide_once(self, lease: Lease, task_id: str, *, delivery_tag: Any, queue: str | None,
                      exchange: str | None, routing_key: str | None, retries: int,
                      generation: tuple[int, int], digest: str, known_deliveries: int,
-                     parked: bool, holder: str | None, alive_at: float | None) -> Decision:
+                     parked: bool, holder: str | None, alive_at: float | None,
+                     presume_fresh: bool = False) -> Decision:
         key = keys.task_claim(task_id)
         done_key = keys.done(task_id)
-        (done, version), (seen, _) = self.store.get_many_versioned(
-            [done_key, deliveries_key(task_id)])
+        count_key = deliveries_key(task_id)
+        done: dict[str, Any] | None
+        seen: dict[str, Any] | None
+        if presume_fresh:
+            # Most deliveries are a task's first: claim at once, guarded by "no tombstone and
+            # no delivery count" (one round trip); either present → RecordChanged, and the
+            # caller reads them and decides as below.
+            done, version, seen, seen_version = None, "", None, ""
+        else:
+            (done, version), (seen, seen_version) = self.store.get_many_versioned(
+                [done_key, count_key])
         if done is not None and not is_successor(done, generation, digest):
             return Decision(Outcome.DUPLICATE)
         prior = max(known_deliveries, lenient_int((seen or {}).get("n")))
@@ -321,8 +390,9 @@ class Claimer:
             "claimed_at": time.time(),
         }
         try:
-            token = self.store.claim_unless_changed(lease, key, value, record=done_key,
-                                                    version=version)
+            token = self.store.claim_unless_changed(
+                lease, key, value, record=done_key, version=version,
+                also=[(count_key, seen_version)] if presume_fresh else ())
         except LeaseLost:
             return Decision(Outcome.NO_LEASE)
         if token is None:
@@ -352,18 +422,52 @@ class Claimer:
             StoreError: the caller retries later (``Keeper`` keeps a backlog).
         """
         lease = self._lease()
+        record = self._end_record(held, state, requeue)
+        if held.token is not None and lease is not None and lease.name == held.lease_name:
+            # Record and unclaim in one atomic store operation (record first).
+            self.store.finish_claim(lease, keys.task_claim(held.task_id), *record,
+                                    ttl_s=self.done_ttl_s)
+            return
+        self.store.put(*record, ttl_s=self.done_ttl_s)
+        self.drop(held, lease)
+
+    def finish_many(self, ends: list[tuple[Held, str, bool]]) -> list[Exception | None]:
+        """``finish`` for many ``(held, state, requeue)``: those claimed under the current lease
+        in one store round trip (``finish_claims``), the others one by one. Per item: None, or
+        the error that ``finish`` would have raised (the caller retries it later)."""
+        lease = self._lease()
+        out: list[Exception | None] = [None] * len(ends)
+        batch: list[int] = []
+        for i, (held, state, requeue) in enumerate(ends):
+            if held.token is not None and lease is not None and lease.name == held.lease_name:
+                batch.append(i)
+            else:
+                try:
+                    self.finish(held, state=state, requeue=requeue)
+                except (StoreError, LeaseLost) as exc:
+                    out[i] = exc
+        if batch and lease is not None:
+            items = []
+            for i in batch:
+                held, state, requeue = ends[i]
+                record, value = self._end_record(held, state, requeue)
+                items.append((keys.task_claim(held.task_id), record, value))
+            try:
+                replies = self.store.finish_claims(lease, items, ttl_s=self.done_ttl_s)
+            except StoreError as exc:
+                replies = [exc] * len(items)
+            for i, reply in zip(batch, replies, strict=True):
+                if isinstance(reply, Exception):
+                    out[i] = reply
+        return out
+
+    def _end_record(self, held: Held, state: str, requeue: bool) -> tuple[str, dict[str, Any]]:
         if requeue:
-            self.store.put(deliveries_key(held.task_id), {"n": held.deliveries},
-                           ttl_s=self.done_ttl_s)
-        else:
-            self.store.put(
-                keys.done(held.task_id),
+            return deliveries_key(held.task_id), {"n": held.deliveries}
+        return (keys.done(held.task_id),
                 {"state": state, "token": held.token, "retries": held.retries,
                  "gen": list(held.generation), "digest": held.digest,
-                 "handoff": held.handoff, "worker": self.worker, "at": time.time()},
-                ttl_s=self.done_ttl_s,
-            )
-        self.drop(held, lease)
+                 "handoff": held.handoff, "worker": self.worker, "at": time.time()})
 
     def drop(self, held: Held, lease: Lease | None = None) -> None:
         """Delete the claim of ``held`` if it is still ours (no tombstone)."""

@@ -21,6 +21,7 @@ the store for a lease change).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import signal as _signal
@@ -31,7 +32,9 @@ from typing import Any
 
 from celery import bootsteps, signals
 from celery.app.task import Context
+from celery.exceptions import InvalidTaskError
 from celery.worker import state as worker_state
+from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .. import keys, metrics, status
 from ..config import CrawlConfig
@@ -43,6 +46,7 @@ from .claims import ClaimBook, Claimer, Decision, Held, Outcome, lenient_int, me
 from .context import CLAIM_HEADER
 from .guards import check_beat, check_memory, check_pool
 from .keeper import Keeper
+from .offload import Offloader
 from .reaper import Reaper, orphan_grace
 from .stats import flat_stats
 
@@ -103,6 +107,12 @@ class LeaseStep(bootsteps.StartStopStep):
         self._reconcile_lock = threading.RLock()
         #: The lease the last claim decision on this thread was made under.
         self._decided = threading.local()
+        #: Store calls of deliveries and completions, off the event loop (``offload.py``).
+        self._offload = Offloader(self._to_loop, {"decide": self._decide_batch,
+                                                  "finish": self._complete_batch})
+        self._loop_ident: int | None = None
+        #: Between ``attach`` and ``detach``: the consumer's loop runs and takes follow-ups.
+        self._loop_running = False
         # Before the pool forks (our start runs after it), so every child inherits the path.
         finishing.setup()
         w.crawl_lease = self
@@ -151,6 +161,7 @@ class LeaseStep(bootsteps.StartStopStep):
         if self._closed:
             return
         self._closed = True
+        self._offload.stop()
         if self.keeper is not None:
             self._drain_backlog()
             self._forget_unstarted(everything=True)
@@ -182,6 +193,9 @@ class LeaseStep(bootsteps.StartStopStep):
             # redelivers them), so their claims must go too or the copies would park forever.
             self._forget_unstarted(everything=False)
         self.consumer = c
+        # The consumer's loop runs on this thread.
+        self._loop_ident = threading.get_ident()
+        self._loop_running = True
         # Celery's Tasks step has just started consuming on the new channel.
         self.consuming = True
         for name in list(c.strategies):
@@ -239,6 +253,11 @@ class LeaseStep(bootsteps.StartStopStep):
         return False
 
     def detach(self, c: Any) -> None:
+        # The loop has stopped (shutdown, or a lost connection): what is still queued off the
+        # loop finishes now, its follow-ups run on the offload thread while this thread waits
+        # (acks of recorded ends go out; decisions are not applied, see ``_apply_later``).
+        self._loop_running = False
+        self._offload.stop()
         entry = getattr(c, "_crawl_recheck", None)
         if entry is not None:
             with contextlib.suppress(Exception):
@@ -272,7 +291,10 @@ class LeaseStep(bootsteps.StartStopStep):
                                                   kwargs),
                        "exchange": info.get("exchange"), "routing_key": info.get("routing_key")},
             )
-            step._decide(held)
+            if step._offloading():
+                step._decide_later(held)
+            else:
+                step._decide(held)
             return None
 
         crawl_claimed_strategy.__wrapped__ = original  # type: ignore[attr-defined]
@@ -285,9 +307,89 @@ class LeaseStep(bootsteps.StartStopStep):
         self._decided.lease = lease
         return lease
 
-    def _decide(self, held: Held) -> None:
+    def _offloading(self) -> bool:
+        """Whether store calls of this thread go to the offload thread: only on the running
+        event loop (a threads-pool thread may block; so may a loop that is not running)."""
+        return (getattr(self.worker, "hub", None) is not None and not self._closed
+                and self._loop_running and threading.get_ident() == self._loop_ident)
+
+    def _to_loop(self, fn: Callable[[], None]) -> None:
+        """Follow-ups of offloaded jobs: on the loop while it runs, else here (``detach``
+        waits for this thread meanwhile)."""
+        if self._loop_running:
+            self._in_loop(fn)
+        else:
+            fn()
+
+    def _decide_later(self, held: Held) -> None:
+        """Decide a fresh delivery on the offload thread; apply the decision on the loop."""
+        held.extra["consumer"] = self.consumer
+        self._offload.submit_item("decide", held)
+
+    def _decide_batch(self, helds: list[Held]) -> list[Callable[[], None]]:
+        """Offload thread: decide deliveries received together (``Claimer.decide_fresh``)."""
         assert self.claimer is not None
-        first = not held.parked
+        try:
+            decisions, lease = self.claimer.decide_fresh(helds)
+        except StoreError as exc:
+            # Fail closed: neither run nor drop; look again on the next re-check.
+            logger.warning("celery-crawl: cannot claim %d delivery(ies) (%s); parked",
+                           len(helds), exc)
+            decisions, lease = [Decision(Outcome.PARK, deliveries=h.deliveries)
+                                for h in helds], None
+        return [functools.partial(self._apply_later, held, decision, lease)
+                for held, decision in zip(helds, decisions, strict=True)]
+
+    def _apply_later(self, held: Held, decision: Decision, claimed_under: Lease | None) -> None:
+        """Apply a decision made off the loop, unless the world changed while it was made: the
+        consumer was rebuilt (Celery dropped the reserved deliveries of the old connection) or
+        the lease the claim was made under is no longer the current one."""
+        claimed = decision.outcome in (Outcome.RUN, Outcome.POISON)
+        if (held.extra.get("consumer") is not self.consumer or self._closed
+                or not self._loop_running):
+            if claimed:
+                held.token, held.deliveries = decision.token, decision.deliveries
+                held.lease_name = claimed_under.name if claimed_under else None
+                held.holder = claimed_under.holder if claimed_under else None
+                if self._loop_running:
+                    self._offload.submit(lambda: self._forget_one(held))
+                else:
+                    self._forget_one(held)
+            return
+        if claimed and self.config.on_lease_loss == "cancel":
+            lease = self.keeper.lease if self.keeper else None
+            if lease is None or claimed_under is None or lease.name != claimed_under.name:
+                # Claimed under a lease lost meanwhile: released like the deliveries of that
+                # lease were (its claim stays orphaned for the reaper).
+                held.token = decision.token
+                held.fenced = True
+                self._release(held, "the worker lease was lost",
+                              requeue=bool(self.keeper and self.keeper.failing))
+                return
+        consumer: Any = self.consumer
+        try:
+            self._apply(held, decision, claimed_under, first=True)
+        except (InvalidTaskError, ContentDisallowed) as exc:
+            # What Celery's on_task_received does when the strategy raises these.
+            consumer.on_invalid_task(None, held.message, exc)
+        except DecodeError as exc:
+            consumer.on_decode_error(held.message, exc)
+
+    def _forget_one(self, held: Held) -> None:
+        """Drop the claim of a delivery that will not run here, and restore its message."""
+        assert self.claimer is not None
+        with contextlib.suppress(StoreError, LeaseLost):
+            self.claimer.drop(held)
+        if self.broker is not None:
+            try:
+                self.broker.restore([held.delivery_tag])
+            except Exception as exc:
+                logger.warning("celery-crawl: restoring a delivery of the old connection "
+                               "failed (%s); kombu's visibility timeout will", exc)
+
+    def _decision_for(self, held: Held) -> tuple[Decision, Lease | None]:
+        """The store part of a decision, and the lease its claim was made under."""
+        assert self.claimer is not None
         self._decided.lease = None
         try:
             decision = self.claimer.decide(
@@ -301,6 +403,15 @@ class LeaseStep(bootsteps.StartStopStep):
             logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, exc)
             decision = Decision(Outcome.PARK, deliveries=held.deliveries, holder=held.holder,
                                 alive_at=held.alive_at)
+        return decision, getattr(self._decided, "lease", None)
+
+    def _decide(self, held: Held) -> None:
+        first = not held.parked
+        decision, claimed_under = self._decision_for(held)
+        self._apply(held, decision, claimed_under, first=first)
+
+    def _apply(self, held: Held, decision: Decision, claimed_under: Lease | None, *,
+               first: bool) -> None:
         outcome = decision.outcome
         if outcome is Outcome.NO_LEASE:
             self.book.pop(held)
@@ -325,8 +436,8 @@ class LeaseStep(bootsteps.StartStopStep):
                                "(not run, not acked) until that claim ends",
                                held.extra["task"], held.task_id, decision.holder)
         else:
-            # The lease the claim was made under (the keeper may hold a newer one by now).
-            claimed_under: Lease | None = getattr(self._decided, "lease", None)
+            # ``claimed_under``: the lease the claim was made under (the keeper may hold a newer
+            # one by now).
             held.parked = False
             held.token = decision.token
             held.deliveries = decision.deliveries
@@ -355,6 +466,9 @@ class LeaseStep(bootsteps.StartStopStep):
             settle = _settler(held, ack, args, kw)
             if not self._lease_valid_for(held):
                 return self._complete_stale(held, "done", False, settle)
+            if self._offloading():
+                self._complete_later(held, "done", False, settle)
+                return None
             self._complete(held, "done", requeue=False)
             return settle()
 
@@ -365,6 +479,9 @@ class LeaseStep(bootsteps.StartStopStep):
             settle = _settler(held, reject, args, kw)
             if not self._lease_valid_for(held):
                 return self._complete_stale(held, "rejected", requeue, settle)
+            if self._offloading():
+                self._complete_later(held, "rejected", requeue, settle)
+                return None
             self._complete(held, "rejected", requeue=requeue)
             return settle()
 
@@ -417,6 +534,41 @@ class LeaseStep(bootsteps.StartStopStep):
             settle()
         else:
             self._release(held, "claim taken over", requeue=False)
+
+    def _complete_later(self, held: Held, state: str, requeue: bool,
+                        settle: Callable[[], Any]) -> None:
+        """Record the end on the offload thread, then settle the message on the loop: the
+        tombstone is written before the ack, as on the synchronous path."""
+
+        self._offload.submit_item("finish", (held, state, requeue, settle))
+
+    def _complete_batch(self, ends: list[tuple[Held, str, bool, Callable[[], Any]]]
+                        ) -> list[Callable[[], None]]:
+        """Offload thread: record the ends of runs that ended together (one store round trip,
+        ``Claimer.finish_many``), then settle their messages on the loop."""
+        assert self.claimer is not None
+        recorded: list[tuple[Held, str, bool]] = []
+        for held, state, requeue, _ in ends:
+            held.handoff = finishing.handed_off(held.task_id)
+            finishing.clear(held.task_id)
+            if self.book.pop(held) is not None:
+                recorded.append((held, state, requeue))
+        metrics.WORKER_CLAIMS.set(len(self.book))
+        if recorded:
+            if self.keeper is None or self.keeper.lease is None:
+                for held, state, requeue in recorded:
+                    self._defer(held, state, requeue)
+            else:
+                errors = self.claimer.finish_many(recorded)
+                for (held, state, requeue), exc in zip(recorded, errors, strict=True):
+                    if exc is not None:
+                        logger.warning("celery-crawl: recording the end of %s failed (%s); "
+                                       "will retry", held.task_id, exc)
+                        self._defer(held, state, requeue)
+                    elif held.handoff:
+                        self._wake_parked(held.task_id)
+        return [functools.partial(_settle_unless_fenced, held, settle)
+                for held, _, _, settle in ends]
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
         held.handoff = finishing.handed_off(held.task_id)
@@ -730,6 +882,12 @@ class ClaimStep(bootsteps.StartStopStep):
 
     def shutdown(self, c: Any) -> None:
         self.stop(c)
+
+
+def _settle_unless_fenced(held: Held, settle: Callable[[], Any]) -> None:
+    """Settle a message whose end was recorded, unless a lease loss released it meanwhile."""
+    if not held.fenced:
+        settle()
 
 
 def _channel_gone(message: Any) -> bool:

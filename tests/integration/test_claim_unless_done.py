@@ -163,3 +163,42 @@ def test_a_finished_task_is_reopened_only_by_its_own_handoff(store: LeaseStore) 
     assert not is_successor({"handoff": "yes", "gen": [0, 0]}, (1, 0), "m4")
     a.stop()
     b.stop()
+
+
+def test_batched_claims_and_finishes_keep_each_item_atomic(store: LeaseStore) -> None:
+    """One round trip for a prefetch window's claims: each claim still refuses on its own
+    changed record or live claim, and the others are granted; the batched finish writes each
+    tombstone and deletes only the claims that are ours."""
+    a, b = _keepers(store)
+    assert a.lease is not None and b.lease is not None
+    store.put(keys.done("m-done"), {"state": "done"}, ttl_s=60)
+    held_by_b = store.claim(b.lease, keys.task_claim("m-held"), {"n": 0})
+    assert held_by_b is not None
+    items: list[Any] = [
+        (keys.task_claim(t), {"n": 1}, [(keys.done(t), ""), (f"deliveries/{t}", "")])
+        for t in ("m-free", "m-done", "m-held", "m-free2")]
+    replies = store.claim_unless_changed_many(a.lease, items)
+    assert isinstance(replies[0], int) and isinstance(replies[3], int)
+    assert isinstance(replies[1], RecordChanged), replies
+    assert replies[2] is None, replies
+    assert store.claimant(keys.task_claim("m-done")) is None
+    for t in ("m-free", "m-free2"):
+        claim = store.claimant(keys.task_claim(t))
+        assert claim is not None and claim.alive and claim.lease_name == a.lease.name
+    ends = store.finish_claims(a.lease, [
+        (keys.task_claim("m-free"), keys.done("m-free"), {"state": "done"}),
+        (keys.task_claim("m-held"), keys.done("m-held"), {"state": "done"}),
+    ], ttl_s=60)
+    assert ends == [True, False]
+    assert store.claimant(keys.task_claim("m-free")) is None
+    held = store.claimant(keys.task_claim("m-held"))
+    assert held is not None and held.alive and held.lease_name == b.lease.name
+    assert store.get(keys.done("m-free")) == {"state": "done"}
+    # The batch's lease lost: every claim in it is refused, nothing is written.
+    stale = a.lease
+    a.stop(release=True)
+    lost = store.claim_unless_changed_many(
+        stale, [(keys.task_claim("m-new"), {"n": 1}, [(keys.done("m-new"), "")])])
+    assert isinstance(lost[0], LeaseLost), lost
+    assert store.claimant(keys.task_claim("m-new")) is None
+    b.stop()

@@ -126,6 +126,9 @@ def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lea
     first = keeper.lease
     assert first is not None
     old = _deliver(lease_step, "t-old", 1, started)
+    # The decision is made off the loop and applied on it.
+    wait_until(lambda: len(hub.pending) == 1, 5.0, what="the decision of t-old reached the loop")
+    assert hub.run_reversed() == 1
     assert started == ["t-old"]
     # The store forgets the lease: the next renewal is refused, the one after takes lease 2.
     assert server.client().delete(f"{store.namespace}:lease:{first.name}") == 1
@@ -134,11 +137,15 @@ def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lea
         5 * TTL_S, what="the keeper lost lease 1 and holds lease 2")
     assert isinstance(second, Lease) and keeper.losses == 1
     # Lease 2 is held but the loop has not run yet: a new delivery is claimed under lease 2.
+    pending = len(hub.pending)
     new = _deliver(lease_step, "t-new", 2, started)
-    assert started == ["t-old", "t-new"]
+    wait_until(lambda: len(hub.pending) == pending + 1, 5.0,
+               what="the decision of t-new reached the loop")
     claim = store.claimant(keys.task_claim("t-new"))
     assert claim is not None and claim.alive and claim.lease_name == second.name
-    assert hub.run_reversed() >= 2  # the acquisition's notification first, then the loss's
+    # Newest first: t-new's decision, the acquisition's notification, then the loss's.
+    assert hub.run_reversed() >= 3
+    assert started == ["t-old", "t-new"]
     assert consumer.task_consumer.consuming, "consumption stayed cancelled under a valid lease"
     assert lease_step.consuming
     held = [h.task_id for h in lease_step.book.snapshot()]
@@ -151,6 +158,33 @@ def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lea
     hub.run_reversed()
     assert consumer.task_consumer.consuming and [h.task_id for h in lease_step.book.snapshot()] \
         == ["t-new"]
+
+
+def test_a_decision_made_under_a_lease_lost_before_it_reaches_the_loop_does_not_run(
+    step: tuple[LeaseStep, Any, RedisServer],
+) -> None:
+    """The claim is made off the loop under lease 1; lease 1 is lost (and lease 2 taken) before
+    the decision is applied on the loop: the delivery must be released, not run under a claim
+    of a dead lease (the reaper owns that claim now)."""
+    lease_step, consumer, server = step
+    keeper, store = lease_step.keeper, lease_step.store
+    assert keeper is not None and store is not None
+    hub: QueuedHub = lease_step.worker.hub
+    started: list[str] = []
+    first = keeper.lease
+    assert first is not None
+    late = _deliver(lease_step, "t-late", 1, started)
+    wait_until(lambda: len(hub.pending) == 1, 5.0, what="the decision of t-late reached the loop")
+    claim = store.claimant(keys.task_claim("t-late"))
+    assert claim is not None and claim.lease_name == first.name
+    assert server.client().delete(f"{store.namespace}:lease:{first.name}") == 1
+    wait_until(lambda: (lease := keeper.lease) is not None and lease.name != first.name,
+               5 * TTL_S, what="the keeper lost lease 1 and holds lease 2")
+    hub.run_reversed()
+    assert started == [], "a delivery claimed under a lost lease ran"
+    assert late.rejected, "its message was neither run nor released"
+    assert lease_step.book.snapshot() == []
+    assert consumer.task_consumer.consuming
 
 
 # -- loss at the local deadline, renewals bounded by the validity left --------------------------
