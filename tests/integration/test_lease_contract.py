@@ -43,6 +43,17 @@ from tests.clusters import RedisCluster3, running_redis_cluster
 from tests.servers import EtcdServer, RedisServer, free_port, wait_until
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """True when every thread of ``pid`` is in state T (stopped) per /proc."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 class ClusterTarget:
     """A Redis Cluster seen as the one server a namespace lives on: its slot's master takes
     the faults (restart, stop, freeze); the URL names the cluster."""
@@ -126,7 +137,12 @@ class Backend:
 
     def freeze(self) -> None:
         assert self.server.proc is not None
-        os.kill(self.server.proc.pid, signal.SIGSTOP)
+        pid = self.server.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        # kill() returns before every thread of the server has stopped (etcd runs many): a
+        # request sent in between could still be answered. Wait until all of them are stopped.
+        wait_until(lambda: _all_threads_stopped(pid), 5, interval_s=0.005,
+                   what=f"every thread of pid {pid} stopped")
 
     def thaw(self) -> None:
         assert self.server.proc is not None
