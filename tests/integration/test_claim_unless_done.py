@@ -22,15 +22,30 @@ from celery_crawl.worker.keeper import Keeper
 from tests.servers import EtcdServer, RedisServer
 
 
-@pytest.fixture(params=["redis", "etcd"])
-def store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
-    if request.param == "redis":
+def _open(kind: str, request: pytest.FixtureRequest) -> LeaseStore:
+    if kind == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
         url = server.url
+    elif kind == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    elif kind == "memory":
+        url = f"memory://cu{uuid.uuid4().hex[:8]}"
     else:
         etcd: EtcdServer = request.getfixturevalue("etcd_server")
         url = etcd.url
-    s = open_store(url, namespace=f"cu{uuid.uuid4().hex[:8]}", timeout_s=2.0)
+    return open_store(url, namespace=f"cu{uuid.uuid4().hex[:8]}", timeout_s=2.0)
+
+
+@pytest.fixture(params=["redis", "etcd"])
+def store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
+    s = _open(request.param, request)
+    yield s
+    s.close()
+
+
+@pytest.fixture(params=["redis", "redis-cluster", "etcd", "memory"])
+def any_store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
+    s = _open(request.param, request)
     yield s
     s.close()
 
@@ -202,3 +217,37 @@ def test_batched_claims_and_finishes_keep_each_item_atomic(store: LeaseStore) ->
     assert isinstance(lost[0], LeaseLost), lost
     assert store.claimant(keys.task_claim("m-new")) is None
     b.stop()
+
+
+def test_a_guarded_claim_takes_over_the_key_of_a_dead_claimant(any_store: LeaseStore) -> None:
+    """The claim guard runs before the claim's own takeover of a key whose claimant's lease is
+    gone (on Redis, a second round trip that declares that lease's keys): single and batched,
+    and the guard still refuses a changed record on that path."""
+    store = any_store
+    a, b = _keepers(store)
+    c = Keeper(store, ttl_s=3.0)
+    c.acquire_blocking(5)
+    assert a.lease is not None and b.lease is not None and c.lease is not None
+    names = ("t1", "t2", "t3")
+    for name in names:
+        assert store.claim(a.lease, keys.task_claim(name), {"n": 1})
+    a.stop(release=True)  # every claim of a is now a dead claimant's
+    versions = {name: store.get_many_versioned([keys.done(name)])[0][1] for name in names}
+    token = store.claim_unless_changed(b.lease, keys.task_claim("t1"), {"n": 2},
+                                       record=keys.done("t1"), version=versions["t1"])
+    assert token
+    taken = store.claimant(keys.task_claim("t1"))
+    assert taken is not None and taken.holder == b.lease.holder and taken.alive
+    store.put(keys.done("t3"), {"state": "SUCCESS"}, ttl_s=60)  # t3 finished meanwhile
+    got = store.claim_unless_changed_many(c.lease, [
+        (keys.task_claim("t2"), {"n": 2}, [(keys.done("t2"), versions["t2"])]),
+        (keys.task_claim("t3"), {"n": 2}, [(keys.done("t3"), versions["t3"])]),
+    ])
+    assert isinstance(got[0], int) and got[0] > token
+    assert isinstance(got[1], RecordChanged)
+    t2 = store.claimant(keys.task_claim("t2"))
+    assert t2 is not None and t2.holder == c.lease.holder
+    t3 = store.claimant(keys.task_claim("t3"))
+    assert t3 is None or t3.holder != c.lease.holder  # nothing written for the refused one
+    b.stop()
+    c.stop()
