@@ -150,6 +150,14 @@ class FaultInjector:
             self.stack.check_exits()
             time.sleep(min(0.1, max(0.0, end - time.monotonic())))
 
+    def _held(self, seconds: float, begin: Callable[[], None], end: Callable[[], None]) -> None:
+        """``begin`` a fault, keep it ``seconds``, then ``end`` it, even if the wait fails."""
+        begin()
+        try:
+            self._sleep(seconds)
+        finally:
+            end()
+
     def _beyond_ttl(self) -> float:
         return self.ttl_s + self.rng.uniform(1.0, 2.0)
 
@@ -226,11 +234,7 @@ class FaultInjector:
                 m.terminate()
                 m.skew = None
                 m.start()
-        m.step_clock(offset)
-        try:
-            self._sleep(hold)
-        finally:
-            m.step_clock("+0")
+        self._held(hold, lambda: m.step_clock(offset), lambda: m.step_clock("+0"))
         return f
 
     def leader_partition(self) -> Fault:
@@ -239,11 +243,7 @@ class FaultInjector:
         cut = self._beyond_ttl()
         f = Fault("leader_partition", m.name, now(), leader_token=token, was_leader=was_leader,
                   note=f"store black-holed {cut:.1f}s")
-        m.cut_off()
-        try:
-            self._sleep(cut)
-        finally:
-            m.heal_store()
+        self._held(cut, m.cut_off, m.heal_store)
         return f
 
     # -- worker faults --------------------------------------------------------------------------
@@ -280,11 +280,7 @@ class FaultInjector:
         cut = self._beyond_ttl()
         f = Fault("worker_partition", m.name, now(), worker_host=f"{m.name}@soak",
                   note=f"store black-holed {cut:.1f}s")
-        m.cut_off()
-        try:
-            self._sleep(cut)
-        finally:
-            m.heal_store()
+        self._held(cut, m.cut_off, m.heal_store)
         return f
 
     # -- store faults ---------------------------------------------------------------------------
@@ -339,11 +335,6 @@ class FaultInjector:
         f = Fault("slow_store", "all-processes", now(),
                   note=f"+{delay * 1000:.0f}ms per chunk for {length:.1f}s")
         members = self.stack.members()
-        for m in members:
-            m.slow_store(delay)
-        try:
-            self._sleep(length)
-        finally:
-            for m in members:
-                m.heal_store()
+        self._held(length, lambda: [m.slow_store(delay) for m in members],
+                   lambda: [m.heal_store() for m in members])
         return f
