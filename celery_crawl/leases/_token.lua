@@ -40,6 +40,23 @@ local function lease_is(lease_key, holder, token)
   return true
 end
 
+-- fence_refused(lease_key, holder, token, first): whether a fenced write under (holder, token)
+-- to the records KEYS[first..] is refused: nil when it may go on, else -1 (lease not current),
+-- -2 (a record written under a newer token) or -3 (a writer token that is not a number:
+-- foreign data). Every record is checked before any is written.
+local function fence_refused(lease_key, holder, token, first)
+  if not lease_is(lease_key, holder, token) then return -1 end
+  for i = first, #KEYS do
+    local t = redis.call('HGET', KEYS[i], 't')
+    if t then
+      local tn = tonumber(t)
+      if not tn then return -3 end
+      if tn > tonumber(token) then return -2 end
+    end
+  end
+  return nil
+end
+
 -- hmget_safe(key, fields...): HMGET, or nil when the key is not a hash (foreign data must not
 -- abort a script that serves other keys, e.g. the reaper's scan).
 local function hmget_safe(key, ...)

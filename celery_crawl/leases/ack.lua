@@ -5,15 +5,8 @@
 -- is current and the head of the queue still holds exactly those items: the effect of the
 -- items and their removal are one write. Returns 1, -1 (lease not current), -2 (older token),
 -- -3 (foreign writer token) or -4 (the head of the queue changed).
-if not lease_is(KEYS[1], ARGV[1], ARGV[2]) then return -1 end
-for i = 3, #KEYS do
-  local t = redis.call('HGET', KEYS[i], 't')
-  if t then
-    local tn = tonumber(t)
-    if not tn then return -3 end
-    if tn > tonumber(ARGV[2]) then return -2 end
-  end
-end
+local refused = fence_refused(KEYS[1], ARGV[1], ARGV[2], 3)
+if refused then return refused end
 local n = tonumber(ARGV[3])
 if n > 0 then
   local head = redis.call('LRANGE', KEYS[2], 0, n - 1)

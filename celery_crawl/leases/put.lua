@@ -6,15 +6,8 @@
 -- stored writer token that is not a number: foreign data).
 local fenced = ARGV[1] ~= ''
 if fenced then
-  if not lease_is(KEYS[1], ARGV[1], ARGV[2]) then return -1 end
-  for i = 2, #KEYS do
-    local t = redis.call('HGET', KEYS[i], 't')
-    if t then
-      local tn = tonumber(t)
-      if not tn then return -3 end
-      if tn > tonumber(ARGV[2]) then return -2 end
-    end
-  end
+  local refused = fence_refused(KEYS[1], ARGV[1], ARGV[2], 2)
+  if refused then return refused end
 end
 local ttl = tonumber(ARGV[3])
 for i = 2, #KEYS do
