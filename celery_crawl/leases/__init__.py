@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import threading
 from typing import TYPE_CHECKING
 
 from ..config import LEASE_SCHEMES
@@ -42,6 +43,7 @@ __all__ = [
     "Lease",
     "LeaseStore",
     "StoreDiagnostics",
+    "driver_class",
     "make_holder",
     "open_store",
     "require",
@@ -56,6 +58,40 @@ def make_holder() -> str:
     container) a different holder, so it never adopts its predecessor's claims.
     """
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+# A driver module is imported on first use (etcd's needs the optional extra). Stores are opened
+# on several threads (the status page's server threads beside the main thread); two threads
+# importing one driver module at once can meet importlib's deadlock guard and one of them gets
+# the module half initialized. One lock makes the first import of each driver whole.
+_DRIVER_IMPORT = threading.Lock()
+_REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+
+
+def driver_class(url: str) -> type[LeaseStore]:
+    """The store class ``url``'s scheme names, its module imported (once, under one lock).
+
+    Raises:
+        ConfigError: unknown scheme, or an etcd URL without the ``etcd`` extra installed.
+    """
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme != "memory" and scheme not in LEASE_SCHEMES:
+        raise ConfigError(
+            f"crawl_lease_url: unknown scheme {scheme!r} in {mask_url(url)!r} "
+            f"(use one of {', '.join(LEASE_SCHEMES)})"
+        )
+    with _DRIVER_IMPORT:
+        if scheme == "memory":
+            from .memory import MemoryLeaseStore
+
+            return MemoryLeaseStore
+        if scheme in _REDIS_SCHEMES:
+            from .redis import RedisLeaseStore
+
+            return RedisLeaseStore
+        from .etcd import EtcdLeaseStore
+
+        return EtcdLeaseStore
 
 
 def open_store(url: str, *, namespace: str, timeout_s: float = 2.0,
@@ -73,29 +109,17 @@ def open_store(url: str, *, namespace: str, timeout_s: float = 2.0,
         ConfigError: unknown scheme or a malformed URL (message names ``crawl_lease_url``), or
             an etcd URL without the ``etcd`` extra installed (the message names the extra).
     """
-    scheme = url.split("://", 1)[0] if "://" in url else ""
-    if scheme == "memory":
-        if redis_wait_replicas:
-            raise ConfigError("crawl_redis_wait_replicas: only applies to a Redis lease store")
-        from .memory import MemoryLeaseStore
-
-        return MemoryLeaseStore(url, namespace=namespace, timeout_s=timeout_s)
-    if scheme not in LEASE_SCHEMES:
-        raise ConfigError(
-            f"crawl_lease_url: unknown scheme {scheme!r} in {mask_url(url)!r} "
-            f"(use one of {', '.join(LEASE_SCHEMES)})"
-        )
-    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
-        from .redis import RedisLeaseStore
-
-        return RedisLeaseStore(url, namespace=namespace, timeout_s=timeout_s,
-                               redis_wait_replicas=redis_wait_replicas)
+    cls = driver_class(url)
+    scheme = url.split("://", 1)[0]
+    if scheme in _REDIS_SCHEMES:
+        return cls(url, namespace=namespace, timeout_s=timeout_s,  # type: ignore[call-arg]
+                   redis_wait_replicas=redis_wait_replicas)
     if redis_wait_replicas:
+        if scheme == "memory":
+            raise ConfigError("crawl_redis_wait_replicas: only applies to a Redis lease store")
         raise ConfigError("crawl_redis_wait_replicas: only applies to a Redis lease store "
                           "(etcd writes are already replicated by raft)")
-    from .etcd import EtcdLeaseStore
-
-    return EtcdLeaseStore(url, namespace=namespace, timeout_s=timeout_s)
+    return cls(url, namespace=namespace, timeout_s=timeout_s)  # type: ignore[call-arg]
 
 
 def store_for(config: CrawlConfig) -> LeaseStore:

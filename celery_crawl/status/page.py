@@ -9,6 +9,7 @@ one records script errors into ``data-errors`` on ``<body>``, the other ticks th
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import html
 import json
@@ -21,7 +22,8 @@ from .. import metrics
 from ..clock import monotonic
 from ..config import CrawlConfig
 from ..errors import CrawlError
-from .view import gather, scrub
+from ..leases import driver_class, store_for
+from .view import gather, preload, scrub
 
 __all__ = ["StatusSource", "install", "render_html"]
 
@@ -158,8 +160,6 @@ class StatusSource:
                 return self._cached[1], self._cached[2]
             try:
                 if self._store is None:
-                    from ..leases import store_for
-
                     self._store = store_for(CrawlConfig.from_app(self.app))
                 code, view = 200, gather(self.app, self._store, limit=PAGE_LIMIT,
                                          local=self.local)
@@ -190,6 +190,12 @@ def install(app: Any, local: Callable[[], dict[str, Any]]) -> StatusSource:
     """Serve ``/status`` and ``/status.json`` on this process's metrics server (if it runs,
     or when it starts later: a crawler that starts its own metrics server gets them too)."""
     source = StatusSource(app, local)
+    # Whatever the page imports on first use is imported here, on the installing thread: an
+    # import first made on a server thread while the main thread imports the same modules can
+    # hand one of them a half-initialized module (importlib's deadlock guard).
+    preload()
+    with contextlib.suppress(CrawlError):  # a bad setting is the page's to report, on view
+        driver_class(CrawlConfig.from_app(app).lease_url)
     metrics.add_page("/status", source.html)
     metrics.add_page("/status.json", source.json)
     return source

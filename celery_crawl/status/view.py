@@ -99,6 +99,11 @@ def gather(app: Any, store: Any, *, limit: int = 10,
     return dict(scrub(view))
 
 
+def preload() -> None:
+    """Import what :func:`gather` imports lazily (the beat modules import this package)."""
+    from ..beat import assembly, state  # noqa: F401
+
+
 def _entries(app: Any, store: Any, now: datetime,
              limit: int) -> tuple[dict[str, Any], list[str]]:
     from ..beat.assembly import assemble

@@ -39,6 +39,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from .. import keys, metrics, status
 from ..config import CrawlConfig
 from ..errors import LeaseLost, PoisonMessage, StoreError
+from ..leases import store_for
 from ..leases.base import Lease, LeaseStore
 from . import finishing
 from .broker import BrokerOps, broker_ops
@@ -55,16 +56,6 @@ __all__ = ["ClaimStep", "LeaseStep"]
 logger = logging.getLogger("celery_crawl.worker")
 
 _Ack = Callable[..., Any]
-
-
-def _open_store(config: CrawlConfig) -> LeaseStore:
-    from .. import leases
-
-    store_for = getattr(leases, "store_for", None)
-    if store_for is not None:
-        return store_for(config)  # type: ignore[no-any-return]
-    return leases.open_store(  # type: ignore[no-any-return]
-        config.lease_url, namespace=config.namespace, timeout_s=config.store_timeout_s)
 
 
 class LeaseStep(bootsteps.StartStopStep):
@@ -120,7 +111,7 @@ class LeaseStep(bootsteps.StartStopStep):
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, w: Any) -> None:
         config = self.config
-        self.store = _open_store(config)
+        self.store = store_for(config)
         self.broker = broker_ops(self.app, timeout_s=max(2.0, config.store_timeout_s))
         self.keeper = Keeper(self.store, ttl_s=config.worker_lease_ttl_s,
                              on_change=self._changed_from_thread)

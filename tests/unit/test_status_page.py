@@ -104,3 +104,35 @@ def test_renewal_failures_are_counted_by_cause() -> None:
     metrics.renewal_failed("unit", StoreUnavailable("down"))
     assert {c: value(c) - before[c] for c in before} == {
         "timeout": 1, "lease_lost": 1, "refused": 2}
+
+
+_FIRST_VIEW = r"""
+import sys
+from celery import Celery
+from celery_crawl.status import page
+
+app = Celery("p", broker="memory://")
+app.conf.crawl_lease_url = sys.argv[1]
+app.conf.crawl_namespace = "first-view"
+source = page.install(app, lambda: {"kind": "test"})
+before = {m for m in sys.modules if m.startswith("celery_crawl")}
+code, view = source.view()
+new = sorted({m for m in sys.modules if m.startswith("celery_crawl")} - before)
+print(code, new)
+"""
+
+
+def test_the_first_view_imports_nothing_on_a_server_thread(tmp_path) -> None:
+    """The page is served on the metrics server's threads. A module first imported there while
+    the main thread imports it too can come out half initialized (importlib's deadlock guard:
+    "cannot import name 'RedisLeaseStore' from partially initialized module"). So ``install``,
+    on the main thread, imports everything the first view needs; the view imports nothing."""
+    import subprocess
+    import sys
+
+    from tests.servers import running_redis
+
+    with running_redis() as server:
+        out = subprocess.run([sys.executable, "-c", _FIRST_VIEW, server.url_db(0)],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "200 []", out
