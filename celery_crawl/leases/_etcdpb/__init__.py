@@ -2,7 +2,7 @@
 
 Same names as python-etcd3's ``etcd3.etcdrpc`` (the messages and enums of ``rpc.proto`` and the
 gRPC stubs), so python-etcd3's client can run on them: see
-``celery_crawl.leases.etcd.etcd3_client``.
+``celery_crawl.leases.etcd.python_etcd3``.
 """
 
 from .rpc_pb2 import *  # noqa: F403
