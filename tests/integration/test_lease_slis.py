@@ -123,10 +123,10 @@ def test_a_beat_leader_records_the_cause_and_the_deviation(fresh_redis: RedisSer
         run_for([sched], 1.0)
         assert sched.election.is_leader
         assert status.beat_process(sched)["role"] == "leader"
-        before = {c: beat_failures(c) for c in ("timeout", "lease_lost")}
+        before = {"timeout": beat_failures("timeout")}
         fresh_redis.proc.send_signal(signal.SIGSTOP)
         try:
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 15
             while beat_failures("timeout") == before["timeout"] and time.monotonic() < deadline:
                 sched.tick()
         finally:
@@ -136,14 +136,17 @@ def test_a_beat_leader_records_the_cause_and_the_deviation(fresh_redis: RedisSer
         lease = sched.election.lease
         assert lease is not None and sched.election.is_leader
         count0, sum0 = beat_deviation()
+        # Counted from here: on a loaded machine the freeze above can outlast the lease, and
+        # that loss is counted as lease_lost too.
+        lost0 = beat_failures("lease_lost")
         other = open_store(fresh_redis.url_db(0), namespace=ns, timeout_s=2.0)
         other.release(lease)
         other.close()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 15
         while sched.election.lease is lease and time.monotonic() < deadline:
             sched.tick()
             time.sleep(0.02)
-        assert beat_failures("lease_lost") - before["lease_lost"] == 1
+        assert beat_failures("lease_lost") - lost0 == 1
         count, total = beat_deviation()
         assert count - count0 == 1 and total - sum0 < 0
     finally:
