@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._urls import masked_url
 from ..errors import (
     ConfigError,
     FencedError,
@@ -25,7 +26,6 @@ from ..errors import (
     StoreDataError,
     UnsupportedSetup,
 )
-from ._urls import masked_url
 from .base import DRIFT, MARGIN_S, Characteristic, Lease
 
 __all__ = ["StoreDriver", "boottime", "decoded_items", "dumps", "loads", "valid_until"]

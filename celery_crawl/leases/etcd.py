@@ -60,6 +60,8 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from .._urls import endpoint, query_options, split_credentials
+from .._urls import masked_url as mask_url
 from ..errors import (
     ConfigError,
     CrawlError,
@@ -73,8 +75,6 @@ from ..errors import (
 from ._buckets import ExpiryBuckets
 from ._driver import StoreDriver, decoded_items, dumps
 from ._driver import loads as _loads
-from ._urls import endpoint, query_options, split_credentials
-from ._urls import masked_url as mask_url
 from .base import Characteristic, Claim, Lease, Taken
 
 __all__ = ["ETCD_MIN_TTL_S", "EXTRA", "EtcdLeaseStore", "import_etcdrpc", "parse_etcd_url",

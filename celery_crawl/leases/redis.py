@@ -66,6 +66,8 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from .._urls import endpoint, query_options, split_credentials
+from .._urls import masked_url as mask_url
 from ..errors import (
     ConfigError,
     CrawlError,
@@ -80,8 +82,6 @@ from ..errors import (
 from ._driver import StoreDriver, decoded_items
 from ._driver import dumps as _dumps
 from ._driver import loads as _loads
-from ._urls import endpoint, query_options, split_credentials
-from ._urls import masked_url as mask_url
 from .base import Characteristic, Claim, Lease, Taken
 
 __all__ = ["RedisLeaseStore", "is_cluster_url", "key_prefix", "parse_redis_url",
