@@ -21,8 +21,8 @@ from typing import Any
 
 from ..durations import parse_duration
 from ..errors import ConfigError, ScheduleError
-from ..schedules.entry import digest
-from ..schedules.policies import OVERLAP_POLICIES, Overlap
+from ..schedules.fingerprint import SHORT, fingerprint
+from ..schedules.policies import OVERLAP_POLICIES, Catchup, Overlap
 from .slots import CatchupPolicy
 
 __all__ = ["OVERLAP_POLICIES", "BeatEntry", "CelerySlotSource", "from_beat_schedule",
@@ -124,19 +124,14 @@ class CelerySlotSource:
         return f"CelerySlotSource({self.schedule!r})"
 
 
-def fingerprint_of(definition: Mapping[str, Any]) -> str:
-    """A stable digest of a definition (sha256 of canonical JSON, reprs for foreign objects)."""
-    return digest(dict(definition))[:16]
-
-
 def _policy_from_options(name: str, options: dict[str, Any]) -> tuple[Overlap, CatchupPolicy]:
     where = f"beat_schedule[{name!r}].options"
-    raw = options.pop("crawl_overlap", "skip")
+    raw = options.pop("crawl_overlap", Overlap.SKIP)
     if raw not in OVERLAP_POLICIES:
         raise ConfigError(f"{where}.crawl_overlap: {raw!r} must be one of "
                           f"{', '.join(OVERLAP_POLICIES)}")
     overlap = Overlap(raw)
-    mode = options.pop("crawl_catchup", "latest")
+    mode = options.pop("crawl_catchup", Catchup.LATEST)
     window = parse_duration(options.pop("crawl_catchup_window", 3600.0),
                             what=f"{where}.crawl_catchup_window")
     cmax = options.pop("crawl_catchup_max", 10)
@@ -176,9 +171,10 @@ def from_beat_schedule(name: str, raw: Mapping[str, Any], app: Any) -> BeatEntry
             raise ConfigError(f"beat_schedule[{name!r}].schedule: {exc}") from exc
         fire_time = _identity
         fp_sched = repr(sched)
-    fp = fingerprint_of({"task": raw["task"], "schedule": fp_sched, "args": list(args),
-                         "kwargs": kwargs, "options": options, "overlap": overlap.value,
-                         "catchup": dataclasses.asdict(policy)})
+    fp = fingerprint({"task": raw["task"], "schedule": fp_sched, "args": list(args),
+                      "kwargs": kwargs, "options": options, "overlap": overlap.value,
+                      "catchup": {**dataclasses.asdict(policy), "mode": policy.mode.value}},
+                     digits=SHORT)
     return BeatEntry(name=name, task=str(raw["task"]), source=source, fire_time=fire_time,
                      args=args, kwargs=kwargs, options=options, overlap=overlap,
                      catchup=policy, paused=False, fingerprint=fp, origin="beat_schedule",
@@ -200,7 +196,7 @@ def from_spec(spec: Any) -> BeatEntry:
     sched = spec.schedule
     return BeatEntry(name=spec.name, task=spec.task, source=sched, fire_time=sched.fire_time,
                      args=tuple(spec.args or ()), kwargs=dict(spec.kwargs or {}),
-                     options=options, overlap=Overlap(spec.overlap), catchup=policy,
+                     options=options, overlap=spec.overlap, catchup=policy,
                      paused=bool(spec.paused), fingerprint=str(spec.fingerprint()),
                      origin=str(getattr(spec, "source", "") or "schedule file"),
                      expires_s=expires_s)
