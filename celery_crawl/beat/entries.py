@@ -22,8 +22,13 @@ from typing import Any
 from ..durations import parse_duration
 from ..errors import ConfigError, ScheduleError
 from ..schedules.fingerprint import SHORT, fingerprint
-from ..schedules.policies import OVERLAP_POLICIES, Catchup, Overlap
-from .slots import CatchupPolicy
+from ..schedules.policies import (
+    DEFAULT_CATCHUP,
+    DEFAULT_OVERLAP,
+    OVERLAP_POLICIES,
+    CatchupPolicy,
+    Overlap,
+)
 
 __all__ = ["OVERLAP_POLICIES", "BeatEntry", "CelerySlotSource", "from_beat_schedule",
            "from_spec"]
@@ -126,15 +131,15 @@ class CelerySlotSource:
 
 def _policy_from_options(name: str, options: dict[str, Any]) -> tuple[Overlap, CatchupPolicy]:
     where = f"beat_schedule[{name!r}].options"
-    raw = options.pop("crawl_overlap", Overlap.SKIP)
+    raw = options.pop("crawl_overlap", DEFAULT_OVERLAP)
     if raw not in OVERLAP_POLICIES:
         raise ConfigError(f"{where}.crawl_overlap: {raw!r} must be one of "
                           f"{', '.join(OVERLAP_POLICIES)}")
     overlap = Overlap(raw)
-    mode = options.pop("crawl_catchup", Catchup.LATEST)
-    window = parse_duration(options.pop("crawl_catchup_window", 3600.0),
+    mode = options.pop("crawl_catchup", DEFAULT_CATCHUP.mode)
+    window = parse_duration(options.pop("crawl_catchup_window", DEFAULT_CATCHUP.window_s),
                             what=f"{where}.crawl_catchup_window")
-    cmax = options.pop("crawl_catchup_max", 10)
+    cmax = options.pop("crawl_catchup_max", DEFAULT_CATCHUP.max_runs)
     try:
         policy = CatchupPolicy(mode, window_s=window, max_runs=int(cmax))
     except (ValueError, TypeError) as exc:
@@ -191,8 +196,7 @@ def from_spec(spec: Any) -> BeatEntry:
     expires_s = getattr(spec, "expires_s", None)
     if expires_s is not None:
         options["expires"] = expires_s
-    policy = CatchupPolicy(spec.catchup, window_s=float(spec.catchup_window_s),
-                           max_runs=int(spec.catchup_max))
+    policy = spec.catchup_policy()
     sched = spec.schedule
     return BeatEntry(name=spec.name, task=spec.task, source=sched, fire_time=sched.fire_time,
                      args=tuple(spec.args or ()), kwargs=dict(spec.kwargs or {}),

@@ -6,7 +6,15 @@ import dataclasses
 from typing import Any
 
 from .fingerprint import fingerprint
-from .policies import CATCHUP_POLICIES, OVERLAP_POLICIES, Catchup, Overlap
+from .policies import (
+    CATCHUP_POLICIES,
+    DEFAULT_CATCHUP,
+    DEFAULT_OVERLAP,
+    OVERLAP_POLICIES,
+    Catchup,
+    CatchupPolicy,
+    Overlap,
+)
 from .tzcron import TzCron
 
 __all__ = ["CATCHUP_POLICIES", "OVERLAP_POLICIES", "EntrySpec", "digest"]
@@ -32,10 +40,10 @@ class EntrySpec:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     queue: str | None = None
-    overlap: Overlap = Overlap.SKIP
-    catchup: Catchup = Catchup.LATEST
-    catchup_window_s: float = 3600.0
-    catchup_max: int = 10
+    overlap: Overlap = DEFAULT_OVERLAP
+    catchup: Catchup = DEFAULT_CATCHUP.mode
+    catchup_window_s: float = DEFAULT_CATCHUP.window_s
+    catchup_max: int = DEFAULT_CATCHUP.max_runs
     expires_s: float | None = None
     priority: int | None = None
     paused: bool = False
@@ -60,6 +68,16 @@ class EntrySpec:
         if self.priority is not None:
             out["priority"] = self.priority
         return out
+
+    def catchup_policy(self) -> CatchupPolicy:
+        """The catch-up fields as the policy the beat plans with (the type a ``beat_schedule``
+        entry's options become too).
+
+        Raises:
+            ValueError: ``catchup_max`` is below 1.
+        """
+        return CatchupPolicy(self.catchup, window_s=float(self.catchup_window_s),
+                             max_runs=int(self.catchup_max))
 
     def fingerprint(self) -> str:
         """A stable digest of everything that defines the runs.

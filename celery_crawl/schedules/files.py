@@ -38,7 +38,7 @@ from ..durations import parse_duration
 from ..errors import ConfigError, ScheduleError, ScheduleFileError
 from .cron import CronExpr
 from .entry import EntrySpec
-from .policies import Catchup, Fold, Gap, Overlap
+from .policies import DEFAULT_CATCHUP, DEFAULT_OVERLAP, Catchup, Fold, Gap, Overlap
 from .tzcron import TzCron, jitter_seconds
 from .zones import load_zone
 
@@ -327,10 +327,10 @@ def _build_entry(
     take("args", _args, ())
     take("kwargs", _kwargs, {})
     take("queue", _queue, None)
-    take("overlap", _choice(Overlap), Overlap.SKIP)
-    take("catchup", _choice(Catchup), Catchup.LATEST)
-    take("catchup_window", _duration("catchup_window"), 3600.0)
-    take("catchup_max", _count, 10)
+    take("overlap", _choice(Overlap), DEFAULT_OVERLAP)
+    take("catchup", _choice(Catchup), DEFAULT_CATCHUP.mode)
+    take("catchup_window", _duration("catchup_window"), DEFAULT_CATCHUP.window_s)
+    take("catchup_max", _count, DEFAULT_CATCHUP.max_runs)
     take("expires", _expires, None)
     take("priority", _priority, None)
     take("paused", _bool, False)

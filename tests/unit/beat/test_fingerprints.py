@@ -13,9 +13,16 @@ from celery import Celery
 
 from celery_crawl.beat.entries import from_beat_schedule, from_spec
 from celery_crawl.beat.slots import CatchupPolicy
-from celery_crawl.schedules import EntrySpec, TzCron
+from celery_crawl.schedules import EntrySpec, TzCron, policies
 from celery_crawl.schedules.fingerprint import SHORT, fingerprint
-from celery_crawl.schedules.policies import Catchup, Fold, Gap, Overlap
+from celery_crawl.schedules.policies import (
+    DEFAULT_CATCHUP,
+    DEFAULT_OVERLAP,
+    Catchup,
+    Fold,
+    Gap,
+    Overlap,
+)
 
 CRON = TzCron("0 3 * * *", "Europe/Paris", name="n", gap="skip", fold="both", jitter=5)
 
@@ -64,3 +71,11 @@ def test_policy_fields_hold_enum_members_whatever_spelling_came_in(app: Celery) 
     assert "gap='skip'" in repr(CRON)
     with pytest.raises(ValueError):
         EntrySpec(name="e", task="t.x", schedule=CRON, overlap="sometimes")  # type: ignore[arg-type]
+
+
+def test_both_origins_take_their_policies_and_defaults_from_one_place(app: Celery) -> None:
+    spec = EntrySpec(name="e", task="t.x", schedule=CRON)
+    entry = from_beat_schedule("b", {"task": "t.x", "schedule": CRON}, app)
+    assert from_spec(spec).catchup == entry.catchup == DEFAULT_CATCHUP == spec.catchup_policy()
+    assert from_spec(spec).overlap is entry.overlap is DEFAULT_OVERLAP
+    assert CatchupPolicy is policies.CatchupPolicy  # beat.slots re-exports the one type
