@@ -1,8 +1,9 @@
 """What every lease driver shares, written once, so the drivers hold only their primitives.
 
 A driver subclasses :class:`StoreDriver` and gets the public operations that are the same
-everywhere: one-record ``put``/``get``/``claim`` on top of the batched calls, ``ping`` around one
-cheap request, the masked URL, the ``crawl_store_timeout`` check, the fork guard and the
+everywhere: one-record ``put``/``get``/``claim``/``claim_unless_changed``/``finish_claim`` on
+top of the batched calls (a driver whose single call is cheaper or differs overrides it), ``ping``
+around one cheap request, the masked URL, the ``crawl_store_timeout`` check, the fork guard and the
 ``repr``. The module functions are the one JSON codec (so a value reads back the same from every
 store, and foreign data raises ``StoreDataError`` naming the key), the validity formula
 ``valid_until = t_send + ttl * (1 - DRIFT) - MARGIN_S`` and the handling of foreign queue items.
@@ -20,6 +21,7 @@ from typing import Any
 from .._urls import masked_url
 from ..errors import (
     ConfigError,
+    CrawlError,
     FencedError,
     LeaseLost,
     NotLeader,
@@ -167,6 +169,35 @@ class StoreDriver:
 
     def claim_many(self, lease: Lease, items: Sequence[tuple[str, Mapping[str, Any]]]
                    ) -> list[int | None]:
+        raise NotImplementedError
+
+    def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
+                             record: str, version: str,
+                             also: Sequence[tuple[str, str]] = ()) -> int | None:
+        """``claim_unless_changed_many`` for one claim; its error (``RecordChanged``,
+        ``LeaseLost``, ...) raised."""
+        got = self.claim_unless_changed_many(lease, [(key, value, [(record, version), *also])])[0]
+        if isinstance(got, CrawlError):
+            raise got
+        return got
+
+    def claim_unless_changed_many(
+        self, lease: Lease,
+        items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
+    ) -> list[int | CrawlError | None]:
+        raise NotImplementedError
+
+    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
+                     ttl_s: float) -> bool:
+        """``finish_claims`` for one claim; its error raised."""
+        got = self.finish_claims(lease, [(key, record, value)], ttl_s=ttl_s)[0]
+        if isinstance(got, CrawlError):
+            raise got
+        return got
+
+    def finish_claims(self, lease: Lease,
+                      items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
+                      ttl_s: float) -> list[bool | CrawlError]:
         raise NotImplementedError
 
     def put(self, key: str, value: Mapping[str, Any], *, lease: Lease | None = None,

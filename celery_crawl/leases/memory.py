@@ -317,15 +317,6 @@ class MemoryLeaseStore(StoreDriver):
                                                      token, value)
         return token
 
-    def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
-                             record: str, version: str,
-                             also: Sequence[tuple[str, str]] = ()) -> int | None:
-        """``claim`` iff record ``record`` still has revision ``version`` (and every
-        ``(record, version)`` of ``also`` too), in one step."""
-        doc = dumps(value, key)
-        with self._op("claim") as space:
-            return self._claim_guarded(space, lease, key, doc, [(record, version), *also])
-
     def _claim_guarded(self, space: _Space, lease: Lease, key: str, doc: str,
                        guarded: Sequence[tuple[str, str]]) -> int | None:
         if not self._current(space, lease):
@@ -351,14 +342,6 @@ class MemoryLeaseStore(StoreDriver):
                 except CrawlError as exc:
                     out.append(exc)
         return out
-
-    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                     ttl_s: float) -> bool:
-        """Write ``record`` (unfenced, ``ttl_s``), then delete claim ``key`` if it is ours."""
-        got = self.finish_claims(lease, [(key, record, value)], ttl_s=ttl_s)[0]
-        if isinstance(got, CrawlError):
-            raise got
-        return got
 
     def finish_claims(self, lease: Lease,
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,

@@ -643,19 +643,6 @@ class RedisLeaseStore(StoreDriver):
         return [r if isinstance(r, CrawlError) else bool(r)
                 for r in self._eval_batch("finish", calls)]
 
-    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                     ttl_s: float) -> bool:
-        """Write record ``record`` (unfenced, ``ttl_s``), then delete claim ``key`` if it is
-        bound to ``lease``, in one script (``finish.lua``); True if the claim was deleted."""
-        reply, _ = self._eval(
-            "finish",
-            [self._k("rec", record), self._k("claim", key), self._k("claims-of", lease.name),
-             self._index_key],
-            [_dumps(value, record), self._ttl_ms(ttl_s, "ttl_s"), lease.name, lease.holder,
-             lease.token],
-        )
-        return bool(reply)
-
     def _claims_from(self, flat: Sequence[Any], *, strict: bool) -> list[Claim]:
         """Claims from a script's flat reply. Foreign data raises ``StoreDataError`` naming the
         key when ``strict``; otherwise it is logged and skipped, so one forged entry cannot
