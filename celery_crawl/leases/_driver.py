@@ -15,8 +15,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from .._urls import masked_url
 from ..errors import (
@@ -29,6 +29,8 @@ from ..errors import (
     UnsupportedSetup,
 )
 from .base import DRIFT, MARGIN_S, Characteristic, Lease
+
+_R = TypeVar("_R")
 
 __all__ = ["StoreDriver", "boottime", "decoded_items", "dumps", "loads", "valid_until"]
 
@@ -162,6 +164,31 @@ class StoreDriver:
     @staticmethod
     def _valid_until(t_send: float, ttl_s: float) -> float:
         return valid_until(t_send, ttl_s)
+
+    @staticmethod
+    def _positive_ttl(ttl_s: float, what: str = "ttl") -> float:
+        """``ttl_s`` as float seconds, refused alike by every store before anything is sent.
+
+        Raises:
+            ConfigError: not positive, naming ``what``.
+        """
+        if not ttl_s > 0:
+            raise ConfigError(f"{what}: must be positive, got {ttl_s!r}")
+        return float(ttl_s)
+
+    @staticmethod
+    def _each(calls: Iterable[Callable[[], _R]],
+              errors: tuple[type[CrawlError], ...]) -> list[_R | CrawlError]:
+        """A batched call made of single calls, for a store without a cheaper batch: per call
+        its result, or the error of ``errors`` it raised (as the batched contract reports
+        them); any other error ends the batch."""
+        out: list[_R | CrawlError] = []
+        for call in calls:
+            try:
+                out.append(call())
+            except errors as exc:
+                out.append(exc)
+        return out
 
     def claim(self, lease: Lease, key: str, value: Mapping[str, Any]) -> int | None:
         """Create claim ``key`` bound to ``lease`` if absent or its claimant's lease is dead."""

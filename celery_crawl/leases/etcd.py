@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -724,34 +725,25 @@ class EtcdLeaseStore(StoreDriver):
         items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
     ) -> list[int | CrawlError | None]:
         """``claim_unless_changed`` for each item, one transaction each."""
-        out: list[int | CrawlError | None] = []
-        for key, value, guarded in items:
-            (record, version), *also = guarded
-            try:
-                out.append(self.claim_unless_changed(lease, key, value, record=record,
-                                                     version=version, also=also))
-            except (StoreError, LeaseLost, RecordChanged) as exc:
-                out.append(exc)
-        return out
+        return self._each([functools.partial(self.claim_unless_changed, lease, key, value,
+                                             record=guarded[0][0], version=guarded[0][1],
+                                             also=guarded[1:])
+                           for key, value, guarded in items],
+                          (StoreError, LeaseLost, RecordChanged))
 
     def finish_claims(self, lease: Lease,
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
                       ttl_s: float) -> list[bool | CrawlError]:
         """``finish_claim`` for each item, one transaction each."""
-        out: list[bool | CrawlError] = []
-        for key, record, value in items:
-            try:
-                out.append(self.finish_claim(lease, key, record, value, ttl_s=ttl_s))
-            except (StoreError, LeaseLost) as exc:
-                out.append(exc)
-        return out
+        return self._each([functools.partial(self.finish_claim, lease, key, record, value,
+                                             ttl_s=ttl_s)
+                           for key, record, value in items], (StoreError, LeaseLost))
 
     def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
                      ttl_s: float) -> bool:
         """Write record ``record`` (unfenced, ``ttl_s``) and delete claim ``key`` if its live
         marker belongs to ``lease``'s etcd lease, in one transaction; True if deleted."""
-        if not ttl_s > 0:
-            raise ConfigError(f"ttl_s: must be positive, got {ttl_s!r}")
+        self._positive_ttl(ttl_s, "ttl_s")
         live = self._k("live", key)
         for attempt in range(2):
             record_lease = self._buckets.lease_for(ttl_s, 1)
@@ -837,8 +829,8 @@ class EtcdLeaseStore(StoreDriver):
         TTL'd records go under the shared lease of their expiry bucket (``_buckets``); if etcd
         no longer has that lease (revoked from outside), the write is made once more under a
         fresh one."""
-        if ttl_s is not None and not ttl_s > 0:
-            raise ConfigError(f"ttl_s: must be positive, got {ttl_s!r}")
+        if ttl_s is not None:
+            self._positive_ttl(ttl_s, "ttl_s")
         for attempt in range(2):
             record_lease = 0 if ttl_s is None else self._buckets.lease_for(ttl_s, len(items))
             try:

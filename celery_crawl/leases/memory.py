@@ -242,16 +242,10 @@ class MemoryLeaseStore(StoreDriver):
         return Claim(key=key, lease_name=claim.lease_name, holder=claim.holder,
                      token=claim.token, value=loads(claim.value, f"claim {key!r}"), alive=alive)
 
-    @staticmethod
-    def _ttl(ttl_s: float, what: str = "ttl") -> float:
-        if not ttl_s > 0:
-            raise ConfigError(f"{what}: must be positive, got {ttl_s!r}")
-        return float(ttl_s)
-
     # -- leases -----------------------------------------------------------------------------
     def acquire(self, name: str, ttl_s: float, holder: str) -> Lease | None:
         """Take lease ``name`` if free (or already ours); None while another holder has it."""
-        ttl = self._ttl(ttl_s)
+        ttl = self._positive_ttl(ttl_s)
         with self._op("acquire") as space:
             t_send = space.clock()
             cur = self._lease(space, name)
@@ -266,7 +260,7 @@ class MemoryLeaseStore(StoreDriver):
 
     def renew(self, lease: Lease, *, timeout_s: float | None = None) -> Lease:
         """Extend ``lease``; ``LeaseLost`` once it expired or another holder took it."""
-        ttl = self._ttl(lease.ttl_s)
+        ttl = self._positive_ttl(lease.ttl_s)
         with self._op("renew", timeout_s) as space:
             t_send = space.clock()
             if not self._current(space, lease):
@@ -347,7 +341,7 @@ class MemoryLeaseStore(StoreDriver):
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
                       ttl_s: float) -> list[bool | CrawlError]:
         """``finish_claim`` for many ``(claim key, record, value)``, in one step."""
-        ttl = self._ttl(ttl_s, "ttl_s")
+        ttl = self._positive_ttl(ttl_s, "ttl_s")
         values = [dumps(value, record) for _, record, value in items]
         out: list[bool | CrawlError] = []
         with self._op("finish") as space:
@@ -410,7 +404,7 @@ class MemoryLeaseStore(StoreDriver):
                  lease: Lease | None = None, ttl_s: float | None = None) -> None:
         """Write records atomically: every fence is checked before any write. No items: nothing
         asked, nothing checked."""
-        ttl = None if ttl_s is None else self._ttl(ttl_s, "ttl_s")
+        ttl = None if ttl_s is None else self._positive_ttl(ttl_s, "ttl_s")
         values = [dumps(value, key) for key, value in items]
         if not values:
             return

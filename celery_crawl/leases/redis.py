@@ -448,9 +448,7 @@ class RedisLeaseStore(StoreDriver):
 
     @staticmethod
     def _ttl_ms(ttl_s: float, what: str = "ttl") -> int:
-        if not ttl_s > 0:
-            raise ConfigError(f"{what}: must be positive, got {ttl_s!r}")
-        return max(1, round(ttl_s * 1000))
+        return max(1, round(StoreDriver._positive_ttl(ttl_s, what) * 1000))
 
     def _fence_args(self, lease: Lease | None) -> tuple[str, list[str]]:
         if lease is None:
