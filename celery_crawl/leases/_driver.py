@@ -2,10 +2,11 @@
 
 A driver subclasses :class:`StoreDriver` and gets the public operations that are the same
 everywhere: one-record ``put``/``get``/``claim``/``claim_unless_changed``/``finish_claim`` on
-top of the batched calls (a driver whose single call is cheaper or differs overrides it), ``ping``
-around one cheap request, the masked URL, the ``crawl_store_timeout`` check, the fork guard and the
-``repr``. The module functions are the one JSON codec (so a value reads back the same from every
-store, and foreign data raises ``StoreDataError`` naming the key), the validity formula
+top of the batched calls (a driver whose single call is cheaper or differs overrides it),
+``get_many`` from ``get_many_versioned``, ``ping`` around one cheap request, the masked URL, the
+``crawl_store_timeout`` check, the fork guard and the ``repr``. The module functions are the one
+JSON codec (so a value reads back the same from every store, and foreign data raises
+``StoreDataError`` naming the key), the validity formula
 ``valid_until = t_send + ttl * (1 - DRIFT) - MARGIN_S`` and the handling of foreign queue items.
 """
 
@@ -241,6 +242,11 @@ class StoreDriver:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
+        """Records for ``keys``: ``get_many_versioned`` without the versions (the same reads,
+        so the same round trips and the same ``StoreDataError`` for foreign data)."""
+        return [record for record, _ in self.get_many_versioned(keys)]
+
+    def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
         raise NotImplementedError
 
     def ping(self) -> float:

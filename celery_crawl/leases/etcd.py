@@ -645,7 +645,8 @@ class EtcdLeaseStore(StoreDriver):
         return int(resp.header.revision)
 
     def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
-        """Records for ``keys``, each with its mod revision as its version."""
+        """Records for ``keys``, each with its mod revision as its version; one transaction
+        per 128 keys."""
         out: list[tuple[dict[str, Any] | None, str]] = []
         for start in range(0, len(keys), MAX_TXN_OPS):
             batch = keys[start:start + MAX_TXN_OPS]
@@ -876,17 +877,6 @@ class EtcdLeaseStore(StoreDriver):
             if also:
                 return resp  # the caller tells which of its own compares failed
         raise StoreError(f"{self.url}: {what} of {keys[0]!r} kept racing with other writers")
-
-    def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
-        """Records for ``keys``; one transaction per 128 keys."""
-        out: list[dict[str, Any] | None] = []
-        for start in range(0, len(keys), MAX_TXN_OPS):
-            batch = keys[start:start + MAX_TXN_OPS]
-            resp = self._txn("get", [], [self._get(self._k("rec", k)) for k in batch])
-            for key, rr in zip(batch, resp.responses, strict=True):
-                kvs = rr.response_range.kvs
-                out.append(_loads(kvs[0].value, key) if kvs else None)
-        return out
 
     def scan(self, prefix: str, *, between: Callable[[], None] | None = None
              ) -> dict[str, dict[str, Any]]:

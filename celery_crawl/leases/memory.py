@@ -414,10 +414,6 @@ class MemoryLeaseStore(StoreDriver):
             for (key, _), value in zip(items, values, strict=True):
                 self._write(space, key, value, lease, expires_at)
 
-    def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
-        """Records for ``keys``."""
-        return [record for record, _ in self.get_many_versioned(keys)]
-
     def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
         """Records for ``keys``, each with its write's revision as its version."""
         with self._op("get") as space:

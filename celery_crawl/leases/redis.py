@@ -794,10 +794,6 @@ class RedisLeaseStore(StoreDriver):
             raise StoreDataError(f"{self.url}: write to {key!r} refused: its stored writer "
                                  f"token is not a number (data celery-crawl did not write)")
 
-    def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
-        """Records for ``keys`` in one round trip."""
-        return self._get_many(keys, strict=True)
-
     def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
         """Records for ``keys`` in one round trip, each with its stored JSON as its version."""
         raws = self._raw_many(keys)
