@@ -3,20 +3,22 @@
 A driver subclasses :class:`StoreDriver` and gets the public operations that are the same
 everywhere: one-record ``put``/``get``/``claim``/``claim_unless_changed``/``finish_claim`` on
 top of the batched calls (a driver whose single call is cheaper or differs overrides it),
-``get_many`` from ``get_many_versioned``, ``ping`` around one cheap request, the masked URL, the
-``crawl_store_timeout`` check, the fork guard and the ``repr``. The module functions are the one
-JSON codec (so a value reads back the same from every store, and foreign data raises
-``StoreDataError`` naming the key), the validity formula
-``valid_until = t_send + ttl * (1 - DRIFT) - MARGIN_S`` and the handling of foreign queue items.
+``get_many`` from ``get_many_versioned``, ``watch_free`` around ``holder`` and a bounded wait,
+``ping`` around one cheap request, the masked URL, the ``crawl_store_timeout`` check, the fork
+guard and the ``repr``. The module functions are the one JSON codec (so a value reads back the
+same from every store, and foreign data raises ``StoreDataError`` naming the key), the validity
+formula ``valid_until = t_send + ttl * (1 - DRIFT) - MARGIN_S`` and the handling of foreign
+queue items.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .._urls import masked_url
@@ -111,6 +113,8 @@ class StoreDriver:
     _kind = "lease"
     #: Why a store object must not be used in a forked child, or None when it may.
     _fork_reason: str | None = None
+    #: Longest wait of ``watch_free`` between two looks at the lease.
+    _watch_poll_s = 0.25
 
     def __init__(self, url: str, *, namespace: str, timeout_s: float = 2.0) -> None:
         if timeout_s <= 0:
@@ -248,6 +252,34 @@ class StoreDriver:
 
     def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
         raise NotImplementedError
+
+    def holder(self, name: str) -> tuple[str, int] | None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _release_waiter(self, name: str) -> Iterator[Callable[[float], bool]]:
+        """A wait of at most the given seconds between ``watch_free``'s looks, True when it saw
+        ``name`` released. This one sleeps; a store that announces releases wakes on them."""
+        def wait(seconds: float) -> bool:
+            time.sleep(seconds)
+            return False
+
+        yield wait
+
+    def watch_free(self, name: str, timeout_s: float) -> bool:
+        """Wait until lease ``name`` is seen free (True) or ``timeout_s`` has passed (False):
+        ``holder`` looked at between waits of at most ``_watch_poll_s`` (an expiry is announced
+        by no store, so looking is the fallback even where releases are announced)."""
+        deadline = self._now() + max(0.0, timeout_s)
+        with self._release_waiter(name) as wait:
+            while True:
+                if self.holder(name) is None:
+                    return True
+                left = deadline - self._now()
+                if left <= 0:
+                    return False
+                if wait(min(self._watch_poll_s, left)):
+                    return True
 
     def ping(self) -> float:
         """Round-trip time of the store's cheapest request, in seconds."""

@@ -55,7 +55,6 @@ import math
 import os
 import socket
 import sys
-import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -86,7 +85,6 @@ ETCD_MIN_TTL_S = 2
 #: etcd's default ``--max-txn-ops``.
 MAX_TXN_OPS = 128
 _TLS_OPTIONS = ("ca_cert", "cert_cert", "cert_key")
-_POLL_S = 0.1
 _OCC_ATTEMPTS = 5
 #: Transactions of one batched call in flight at once.
 _PIPELINE = 4
@@ -238,6 +236,10 @@ class EtcdLeaseStore(StoreDriver):
                                  Characteristic.MULTI_PROCESS})
     _kind = "etcd"
     _fork_reason = "gRPC channels do not survive fork()"
+    #: ``watch_free`` looks at the holder (a cheap linearizable read) every 0.1 s instead of
+    #: opening a watch stream: that keeps gRPC's background threads out of the process, which
+    #: matters because workers fork.
+    _watch_poll_s = 0.1
 
     def __init__(self, url: str, *, namespace: str, timeout_s: float = 2.0) -> None:
         super().__init__(url, namespace=namespace, timeout_s=timeout_s)
@@ -959,21 +961,6 @@ class EtcdLeaseStore(StoreDriver):
     def _ping_once(self) -> None:
         """A ``Status`` call."""
         self._call("ping", self._maint.Status, self._rpc.StatusRequest())
-
-    def watch_free(self, name: str, timeout_s: float) -> bool:
-        """Poll ``holder`` every 0.1 s until lease ``name`` is free or ``timeout_s`` passes.
-
-        Polling (a cheap linearizable read) instead of a watch stream keeps gRPC's background
-        threads out of the process, which matters because workers fork.
-        """
-        deadline = self._now() + max(0.0, timeout_s)
-        while True:
-            if self.holder(name) is None:
-                return True
-            left = deadline - self._now()
-            if left <= 0:
-                return False
-            time.sleep(min(_POLL_S, left))
 
     def eviction_risk(self) -> str | None:
         """etcd never evicts keys: None."""

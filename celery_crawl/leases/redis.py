@@ -93,7 +93,6 @@ _CLAIM_BATCH = 1000
 #: Attempts of a claim read whose claimants changed hands between the reads.
 _READ_ATTEMPTS = 4
 _PUT_BATCH = 500
-_POLL_S = 0.25
 _SSL_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 _CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
               "none": ssl.CERT_NONE}
@@ -914,24 +913,22 @@ class RedisLeaseStore(StoreDriver):
         """A ``PING``."""
         self._call("ping", self._redis.ping)
 
-    def watch_free(self, name: str, timeout_s: float) -> bool:
-        """Wait for a release announcement of ``name``, polling ``holder`` every 0.25 s as a
-        fallback (expiry publishes nothing). True once it is seen free."""
-        deadline = self._now() + max(0.0, timeout_s)
+    @contextlib.contextmanager
+    def _release_waiter(self, name: str) -> Iterator[Callable[[float], bool]]:
+        """``watch_free`` wakes on the release announcement of ``name`` (``release.lua``
+        publishes it on the namespace's channel); it still looks at ``holder`` between waits,
+        because an expiry publishes nothing."""
         with self._translate("watch_free"):
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(self._channel)
                 self.round_trips += 1
-                while True:
-                    if self.holder(name) is None:
-                        return True
-                    left = deadline - self._now()
-                    if left <= 0:
-                        return False
-                    msg = pubsub.get_message(timeout=min(_POLL_S, left))
-                    if msg is not None and msg.get("data") == name:
-                        return True
+
+                def wait(seconds: float) -> bool:
+                    msg = pubsub.get_message(timeout=seconds)
+                    return msg is not None and msg.get("data") == name
+
+                yield wait
             finally:
                 with contextlib.suppress(Exception):
                     pubsub.close()
