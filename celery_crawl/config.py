@@ -8,13 +8,12 @@ import zoneinfo
 from collections.abc import Mapping
 from typing import Any
 
+from ._urls import LEASE_SCHEMES, masked_url
 from .durations import parse_duration
 from .errors import ConfigError
 
 __all__ = ["DEFAULTS", "LEASE_SCHEMES", "CrawlConfig", "mask_url", "plain_redis_url"]
 
-LEASE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "etcd", "etcd+https",
-                 "etcd+http")
 _REDIS_BACKEND_SCHEMES = {"redis": "redis", "rediss": "rediss", "crawlredis": "redis",
                           "crawlrediss": "rediss",
                           # crawlredis+cluster://: Celery hands the backend "cluster://..."
@@ -46,8 +45,6 @@ _MIN_TTL_S = 0.5
 
 def mask_url(url: str) -> str:
     """The URL with any password replaced by ``***``, safe for logs and errors; never raises."""
-    from .leases._urls import masked_url  # the lease drivers own URL parsing
-
     return masked_url(url)
 
 

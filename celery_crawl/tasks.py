@@ -44,6 +44,7 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import before_task_publish
 
+from . import _finishing as finishing
 from .backends.audited import AuditedRedisBackend, _claim_token, parse_token
 from .backends.ledger import Decision, Heartbeat, KeyLedger
 from .errors import (
@@ -55,7 +56,6 @@ from .errors import (
     ReplayError,
     RollbackFailed,
 )
-from .worker import finishing
 
 __all__ = [
     "DEADLINE_HEADER",

@@ -61,6 +61,7 @@ from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 from redis import exceptions as redis_errors
 
+from .. import _finishing as finishing
 from ..config import CrawlConfig, mask_url
 from ..errors import (
     ConfigError,
@@ -70,7 +71,7 @@ from ..errors import (
     StoreTimeout,
     StoreUnavailable,
 )
-from ..worker import finishing
+from ..leases.redis import token_counter_key
 
 __all__ = [
     "MAX_TOKEN",
@@ -116,10 +117,6 @@ def _script(name: str) -> str:
 
 
 def _token_counter_key(namespace: str, cluster: bool) -> str:
-    try:
-        from ..leases.redis import token_counter_key
-    except ImportError:  # the Redis lease driver is optional for a results-only deployment
-        return f"{{{namespace}}}:token" if cluster else f"{namespace}:token"
     return token_counter_key(namespace, cluster=cluster)
 
 

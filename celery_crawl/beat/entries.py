@@ -21,9 +21,14 @@ from typing import Any
 
 from ..durations import parse_duration
 from ..errors import ConfigError, ScheduleError
-from ..schedules.entry import digest
-from ..schedules.policies import OVERLAP_POLICIES, Overlap
-from .slots import CatchupPolicy
+from ..schedules.fingerprint import SHORT, fingerprint
+from ..schedules.policies import (
+    DEFAULT_CATCHUP,
+    DEFAULT_OVERLAP,
+    OVERLAP_POLICIES,
+    CatchupPolicy,
+    Overlap,
+)
 
 __all__ = ["OVERLAP_POLICIES", "BeatEntry", "CelerySlotSource", "from_beat_schedule",
            "from_spec"]
@@ -124,22 +129,17 @@ class CelerySlotSource:
         return f"CelerySlotSource({self.schedule!r})"
 
 
-def fingerprint_of(definition: Mapping[str, Any]) -> str:
-    """A stable digest of a definition (sha256 of canonical JSON, reprs for foreign objects)."""
-    return digest(dict(definition))[:16]
-
-
 def _policy_from_options(name: str, options: dict[str, Any]) -> tuple[Overlap, CatchupPolicy]:
     where = f"beat_schedule[{name!r}].options"
-    raw = options.pop("crawl_overlap", "skip")
+    raw = options.pop("crawl_overlap", DEFAULT_OVERLAP)
     if raw not in OVERLAP_POLICIES:
         raise ConfigError(f"{where}.crawl_overlap: {raw!r} must be one of "
                           f"{', '.join(OVERLAP_POLICIES)}")
     overlap = Overlap(raw)
-    mode = options.pop("crawl_catchup", "latest")
-    window = parse_duration(options.pop("crawl_catchup_window", 3600.0),
+    mode = options.pop("crawl_catchup", DEFAULT_CATCHUP.mode)
+    window = parse_duration(options.pop("crawl_catchup_window", DEFAULT_CATCHUP.window_s),
                             what=f"{where}.crawl_catchup_window")
-    cmax = options.pop("crawl_catchup_max", 10)
+    cmax = options.pop("crawl_catchup_max", DEFAULT_CATCHUP.max_runs)
     try:
         policy = CatchupPolicy(mode, window_s=window, max_runs=int(cmax))
     except (ValueError, TypeError) as exc:
@@ -176,9 +176,10 @@ def from_beat_schedule(name: str, raw: Mapping[str, Any], app: Any) -> BeatEntry
             raise ConfigError(f"beat_schedule[{name!r}].schedule: {exc}") from exc
         fire_time = _identity
         fp_sched = repr(sched)
-    fp = fingerprint_of({"task": raw["task"], "schedule": fp_sched, "args": list(args),
-                         "kwargs": kwargs, "options": options, "overlap": overlap.value,
-                         "catchup": dataclasses.asdict(policy)})
+    fp = fingerprint({"task": raw["task"], "schedule": fp_sched, "args": list(args),
+                      "kwargs": kwargs, "options": options, "overlap": overlap.value,
+                      "catchup": {**dataclasses.asdict(policy), "mode": policy.mode.value}},
+                     digits=SHORT)
     return BeatEntry(name=name, task=str(raw["task"]), source=source, fire_time=fire_time,
                      args=args, kwargs=kwargs, options=options, overlap=overlap,
                      catchup=policy, paused=False, fingerprint=fp, origin="beat_schedule",
@@ -195,12 +196,11 @@ def from_spec(spec: Any) -> BeatEntry:
     expires_s = getattr(spec, "expires_s", None)
     if expires_s is not None:
         options["expires"] = expires_s
-    policy = CatchupPolicy(spec.catchup, window_s=float(spec.catchup_window_s),
-                           max_runs=int(spec.catchup_max))
+    policy = spec.catchup_policy()
     sched = spec.schedule
     return BeatEntry(name=spec.name, task=spec.task, source=sched, fire_time=sched.fire_time,
                      args=tuple(spec.args or ()), kwargs=dict(spec.kwargs or {}),
-                     options=options, overlap=Overlap(spec.overlap), catchup=policy,
+                     options=options, overlap=spec.overlap, catchup=policy,
                      paused=bool(spec.paused), fingerprint=str(spec.fingerprint()),
                      origin=str(getattr(spec, "source", "") or "schedule file"),
                      expires_s=expires_s)

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from ..schedules.policies import CATCHUP_POLICIES
+from ..schedules.policies import CATCHUP_POLICIES, Catchup, CatchupPolicy
 
 __all__ = [
     "CATCHUP_MODES",
@@ -48,29 +48,6 @@ class SlotSource(Protocol):
 
     def next_slot(self, after: datetime) -> datetime | None:  # pragma: no cover - protocol
         ...
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CatchupPolicy:
-    """How missed slots are handled.
-
-    Attributes:
-        mode: ``none`` | ``latest`` | ``all``.
-        window_s: slots older than this (relative to now) are never run.
-        max_runs: most slots run at once under ``all``.
-        grace_s: how late a slot may be and still count as on time.
-    """
-
-    mode: str = "latest"
-    window_s: float = 3600.0
-    max_runs: int = 10
-    grace_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in CATCHUP_MODES:
-            raise ValueError(f"catchup mode {self.mode!r} is not one of {CATCHUP_MODES}")
-        if self.max_runs < 1:
-            raise ValueError("catchup max_runs must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -164,11 +141,11 @@ def plan(
     late = [s for s in due if s < on_time_after]
     on_time = [s for s in due if s >= on_time_after]
     run: list[datetime]
-    if policy.mode == "none":
+    if policy.mode is Catchup.NONE:
         run = on_time
         if late:
             skipped.append(SkipRange(late[0], late[-1], len(late), "missed"))
-    elif policy.mode == "latest":
+    elif policy.mode is Catchup.LATEST:
         run = due[-1:]
         older = due[:-1]
         if older:

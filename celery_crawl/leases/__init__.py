@@ -18,9 +18,9 @@ import socket
 import threading
 from typing import TYPE_CHECKING
 
-from ..config import LEASE_SCHEMES
+from .._urls import LEASE_SCHEMES
+from .._urls import masked_url as mask_url
 from ..errors import ConfigError
-from ._urls import masked_url as mask_url
 from .base import (
     DRIFT,
     MARGIN_S,

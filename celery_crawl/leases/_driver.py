@@ -1,32 +1,39 @@
 """What every lease driver shares, written once, so the drivers hold only their primitives.
 
 A driver subclasses :class:`StoreDriver` and gets the public operations that are the same
-everywhere: one-record ``put``/``get``/``claim`` on top of the batched calls, ``ping`` around one
-cheap request, the masked URL, the ``crawl_store_timeout`` check, the fork guard and the
-``repr``. The module functions are the one JSON codec (so a value reads back the same from every
-store, and foreign data raises ``StoreDataError`` naming the key), the validity formula
-``valid_until = t_send + ttl * (1 - DRIFT) - MARGIN_S`` and the handling of foreign queue items.
+everywhere: one-record ``put``/``get``/``claim``/``claim_unless_changed``/``finish_claim`` on
+top of the batched calls (a driver whose single call is cheaper or differs overrides it),
+``get_many`` from ``get_many_versioned``, ``watch_free`` around ``holder`` and a bounded wait,
+``ping`` around one cheap request, the masked URL, the ``crawl_store_timeout`` check, the fork
+guard and the ``repr``. The module functions are the one JSON codec (so a value reads back the
+same from every store, and foreign data raises ``StoreDataError`` naming the key), the validity
+formula ``valid_until = t_send + ttl * (1 - DRIFT) - MARGIN_S`` and the handling of foreign
+queue items.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
+from .._urls import masked_url
 from ..errors import (
     ConfigError,
+    CrawlError,
     FencedError,
     LeaseLost,
     NotLeader,
     StoreDataError,
     UnsupportedSetup,
 )
-from ._urls import masked_url
 from .base import DRIFT, MARGIN_S, Characteristic, Lease
+
+_R = TypeVar("_R")
 
 __all__ = ["StoreDriver", "boottime", "decoded_items", "dumps", "loads", "valid_until"]
 
@@ -106,6 +113,8 @@ class StoreDriver:
     _kind = "lease"
     #: Why a store object must not be used in a forked child, or None when it may.
     _fork_reason: str | None = None
+    #: Longest wait of ``watch_free`` between two looks at the lease.
+    _watch_poll_s = 0.25
 
     def __init__(self, url: str, *, namespace: str, timeout_s: float = 2.0) -> None:
         if timeout_s <= 0:
@@ -161,12 +170,66 @@ class StoreDriver:
     def _valid_until(t_send: float, ttl_s: float) -> float:
         return valid_until(t_send, ttl_s)
 
+    @staticmethod
+    def _positive_ttl(ttl_s: float, what: str = "ttl") -> float:
+        """``ttl_s`` as float seconds, refused alike by every store before anything is sent.
+
+        Raises:
+            ConfigError: not positive, naming ``what``.
+        """
+        if not ttl_s > 0:
+            raise ConfigError(f"{what}: must be positive, got {ttl_s!r}")
+        return float(ttl_s)
+
+    @staticmethod
+    def _each(calls: Iterable[Callable[[], _R]],
+              errors: tuple[type[CrawlError], ...]) -> list[_R | CrawlError]:
+        """A batched call made of single calls, for a store without a cheaper batch: per call
+        its result, or the error of ``errors`` it raised (as the batched contract reports
+        them); any other error ends the batch."""
+        out: list[_R | CrawlError] = []
+        for call in calls:
+            try:
+                out.append(call())
+            except errors as exc:
+                out.append(exc)
+        return out
+
     def claim(self, lease: Lease, key: str, value: Mapping[str, Any]) -> int | None:
         """Create claim ``key`` bound to ``lease`` if absent or its claimant's lease is dead."""
         return self.claim_many(lease, [(key, value)])[0]
 
     def claim_many(self, lease: Lease, items: Sequence[tuple[str, Mapping[str, Any]]]
                    ) -> list[int | None]:
+        raise NotImplementedError
+
+    def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
+                             record: str, version: str,
+                             also: Sequence[tuple[str, str]] = ()) -> int | None:
+        """``claim_unless_changed_many`` for one claim; its error (``RecordChanged``,
+        ``LeaseLost``, ...) raised."""
+        got = self.claim_unless_changed_many(lease, [(key, value, [(record, version), *also])])[0]
+        if isinstance(got, CrawlError):
+            raise got
+        return got
+
+    def claim_unless_changed_many(
+        self, lease: Lease,
+        items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
+    ) -> list[int | CrawlError | None]:
+        raise NotImplementedError
+
+    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
+                     ttl_s: float) -> bool:
+        """``finish_claims`` for one claim; its error raised."""
+        got = self.finish_claims(lease, [(key, record, value)], ttl_s=ttl_s)[0]
+        if isinstance(got, CrawlError):
+            raise got
+        return got
+
+    def finish_claims(self, lease: Lease,
+                      items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
+                      ttl_s: float) -> list[bool | CrawlError]:
         raise NotImplementedError
 
     def put(self, key: str, value: Mapping[str, Any], *, lease: Lease | None = None,
@@ -183,7 +246,40 @@ class StoreDriver:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
+        """Records for ``keys``: ``get_many_versioned`` without the versions (the same reads,
+        so the same round trips and the same ``StoreDataError`` for foreign data)."""
+        return [record for record, _ in self.get_many_versioned(keys)]
+
+    def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
         raise NotImplementedError
+
+    def holder(self, name: str) -> tuple[str, int] | None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _release_waiter(self, name: str) -> Iterator[Callable[[float], bool]]:
+        """A wait of at most the given seconds between ``watch_free``'s looks, True when it saw
+        ``name`` released. This one sleeps; a store that announces releases wakes on them."""
+        def wait(seconds: float) -> bool:
+            time.sleep(seconds)
+            return False
+
+        yield wait
+
+    def watch_free(self, name: str, timeout_s: float) -> bool:
+        """Wait until lease ``name`` is seen free (True) or ``timeout_s`` has passed (False):
+        ``holder`` looked at between waits of at most ``_watch_poll_s`` (an expiry is announced
+        by no store, so looking is the fallback even where releases are announced)."""
+        deadline = self._now() + max(0.0, timeout_s)
+        with self._release_waiter(name) as wait:
+            while True:
+                if self.holder(name) is None:
+                    return True
+                left = deadline - self._now()
+                if left <= 0:
+                    return False
+                if wait(min(self._watch_poll_s, left)):
+                    return True
 
     def ping(self) -> float:
         """Round-trip time of the store's cheapest request, in seconds."""

@@ -49,17 +49,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import math
 import os
 import socket
 import sys
-import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from .._urls import endpoint, query_options, split_credentials
+from .._urls import masked_url as mask_url
 from ..errors import (
     ConfigError,
     CrawlError,
@@ -73,8 +75,6 @@ from ..errors import (
 from ._buckets import ExpiryBuckets
 from ._driver import StoreDriver, decoded_items, dumps
 from ._driver import loads as _loads
-from ._urls import endpoint, query_options, split_credentials
-from ._urls import masked_url as mask_url
 from .base import Characteristic, Claim, Lease, Taken
 
 __all__ = ["ETCD_MIN_TTL_S", "EXTRA", "EtcdLeaseStore", "import_etcdrpc", "parse_etcd_url",
@@ -85,7 +85,6 @@ ETCD_MIN_TTL_S = 2
 #: etcd's default ``--max-txn-ops``.
 MAX_TXN_OPS = 128
 _TLS_OPTIONS = ("ca_cert", "cert_cert", "cert_key")
-_POLL_S = 0.1
 _OCC_ATTEMPTS = 5
 #: Transactions of one batched call in flight at once.
 _PIPELINE = 4
@@ -237,6 +236,10 @@ class EtcdLeaseStore(StoreDriver):
                                  Characteristic.MULTI_PROCESS})
     _kind = "etcd"
     _fork_reason = "gRPC channels do not survive fork()"
+    #: ``watch_free`` looks at the holder (a cheap linearizable read) every 0.1 s instead of
+    #: opening a watch stream: that keeps gRPC's background threads out of the process, which
+    #: matters because workers fork.
+    _watch_poll_s = 0.1
 
     def __init__(self, url: str, *, namespace: str, timeout_s: float = 2.0) -> None:
         super().__init__(url, namespace=namespace, timeout_s=timeout_s)
@@ -644,7 +647,8 @@ class EtcdLeaseStore(StoreDriver):
         return int(resp.header.revision)
 
     def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
-        """Records for ``keys``, each with its mod revision as its version."""
+        """Records for ``keys``, each with its mod revision as its version; one transaction
+        per 128 keys."""
         out: list[tuple[dict[str, Any] | None, str]] = []
         for start in range(0, len(keys), MAX_TXN_OPS):
             batch = keys[start:start + MAX_TXN_OPS]
@@ -724,34 +728,25 @@ class EtcdLeaseStore(StoreDriver):
         items: Sequence[tuple[str, Mapping[str, Any], Sequence[tuple[str, str]]]],
     ) -> list[int | CrawlError | None]:
         """``claim_unless_changed`` for each item, one transaction each."""
-        out: list[int | CrawlError | None] = []
-        for key, value, guarded in items:
-            (record, version), *also = guarded
-            try:
-                out.append(self.claim_unless_changed(lease, key, value, record=record,
-                                                     version=version, also=also))
-            except (StoreError, LeaseLost, RecordChanged) as exc:
-                out.append(exc)
-        return out
+        return self._each([functools.partial(self.claim_unless_changed, lease, key, value,
+                                             record=guarded[0][0], version=guarded[0][1],
+                                             also=guarded[1:])
+                           for key, value, guarded in items],
+                          (StoreError, LeaseLost, RecordChanged))
 
     def finish_claims(self, lease: Lease,
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
                       ttl_s: float) -> list[bool | CrawlError]:
         """``finish_claim`` for each item, one transaction each."""
-        out: list[bool | CrawlError] = []
-        for key, record, value in items:
-            try:
-                out.append(self.finish_claim(lease, key, record, value, ttl_s=ttl_s))
-            except (StoreError, LeaseLost) as exc:
-                out.append(exc)
-        return out
+        return self._each([functools.partial(self.finish_claim, lease, key, record, value,
+                                             ttl_s=ttl_s)
+                           for key, record, value in items], (StoreError, LeaseLost))
 
     def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
                      ttl_s: float) -> bool:
         """Write record ``record`` (unfenced, ``ttl_s``) and delete claim ``key`` if its live
         marker belongs to ``lease``'s etcd lease, in one transaction; True if deleted."""
-        if not ttl_s > 0:
-            raise ConfigError(f"ttl_s: must be positive, got {ttl_s!r}")
+        self._positive_ttl(ttl_s, "ttl_s")
         live = self._k("live", key)
         for attempt in range(2):
             record_lease = self._buckets.lease_for(ttl_s, 1)
@@ -837,8 +832,8 @@ class EtcdLeaseStore(StoreDriver):
         TTL'd records go under the shared lease of their expiry bucket (``_buckets``); if etcd
         no longer has that lease (revoked from outside), the write is made once more under a
         fresh one."""
-        if ttl_s is not None and not ttl_s > 0:
-            raise ConfigError(f"ttl_s: must be positive, got {ttl_s!r}")
+        if ttl_s is not None:
+            self._positive_ttl(ttl_s, "ttl_s")
         for attempt in range(2):
             record_lease = 0 if ttl_s is None else self._buckets.lease_for(ttl_s, len(items))
             try:
@@ -884,17 +879,6 @@ class EtcdLeaseStore(StoreDriver):
             if also:
                 return resp  # the caller tells which of its own compares failed
         raise StoreError(f"{self.url}: {what} of {keys[0]!r} kept racing with other writers")
-
-    def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
-        """Records for ``keys``; one transaction per 128 keys."""
-        out: list[dict[str, Any] | None] = []
-        for start in range(0, len(keys), MAX_TXN_OPS):
-            batch = keys[start:start + MAX_TXN_OPS]
-            resp = self._txn("get", [], [self._get(self._k("rec", k)) for k in batch])
-            for key, rr in zip(batch, resp.responses, strict=True):
-                kvs = rr.response_range.kvs
-                out.append(_loads(kvs[0].value, key) if kvs else None)
-        return out
 
     def scan(self, prefix: str, *, between: Callable[[], None] | None = None
              ) -> dict[str, dict[str, Any]]:
@@ -977,21 +961,6 @@ class EtcdLeaseStore(StoreDriver):
     def _ping_once(self) -> None:
         """A ``Status`` call."""
         self._call("ping", self._maint.Status, self._rpc.StatusRequest())
-
-    def watch_free(self, name: str, timeout_s: float) -> bool:
-        """Poll ``holder`` every 0.1 s until lease ``name`` is free or ``timeout_s`` passes.
-
-        Polling (a cheap linearizable read) instead of a watch stream keeps gRPC's background
-        threads out of the process, which matters because workers fork.
-        """
-        deadline = self._now() + max(0.0, timeout_s)
-        while True:
-            if self.holder(name) is None:
-                return True
-            left = deadline - self._now()
-            if left <= 0:
-                return False
-            time.sleep(min(_POLL_S, left))
 
     def eviction_risk(self) -> str | None:
         """etcd never evicts keys: None."""

@@ -242,16 +242,10 @@ class MemoryLeaseStore(StoreDriver):
         return Claim(key=key, lease_name=claim.lease_name, holder=claim.holder,
                      token=claim.token, value=loads(claim.value, f"claim {key!r}"), alive=alive)
 
-    @staticmethod
-    def _ttl(ttl_s: float, what: str = "ttl") -> float:
-        if not ttl_s > 0:
-            raise ConfigError(f"{what}: must be positive, got {ttl_s!r}")
-        return float(ttl_s)
-
     # -- leases -----------------------------------------------------------------------------
     def acquire(self, name: str, ttl_s: float, holder: str) -> Lease | None:
         """Take lease ``name`` if free (or already ours); None while another holder has it."""
-        ttl = self._ttl(ttl_s)
+        ttl = self._positive_ttl(ttl_s)
         with self._op("acquire") as space:
             t_send = space.clock()
             cur = self._lease(space, name)
@@ -266,7 +260,7 @@ class MemoryLeaseStore(StoreDriver):
 
     def renew(self, lease: Lease, *, timeout_s: float | None = None) -> Lease:
         """Extend ``lease``; ``LeaseLost`` once it expired or another holder took it."""
-        ttl = self._ttl(lease.ttl_s)
+        ttl = self._positive_ttl(lease.ttl_s)
         with self._op("renew", timeout_s) as space:
             t_send = space.clock()
             if not self._current(space, lease):
@@ -317,15 +311,6 @@ class MemoryLeaseStore(StoreDriver):
                                                      token, value)
         return token
 
-    def claim_unless_changed(self, lease: Lease, key: str, value: Mapping[str, Any], *,
-                             record: str, version: str,
-                             also: Sequence[tuple[str, str]] = ()) -> int | None:
-        """``claim`` iff record ``record`` still has revision ``version`` (and every
-        ``(record, version)`` of ``also`` too), in one step."""
-        doc = dumps(value, key)
-        with self._op("claim") as space:
-            return self._claim_guarded(space, lease, key, doc, [(record, version), *also])
-
     def _claim_guarded(self, space: _Space, lease: Lease, key: str, doc: str,
                        guarded: Sequence[tuple[str, str]]) -> int | None:
         if not self._current(space, lease):
@@ -352,19 +337,11 @@ class MemoryLeaseStore(StoreDriver):
                     out.append(exc)
         return out
 
-    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                     ttl_s: float) -> bool:
-        """Write ``record`` (unfenced, ``ttl_s``), then delete claim ``key`` if it is ours."""
-        got = self.finish_claims(lease, [(key, record, value)], ttl_s=ttl_s)[0]
-        if isinstance(got, CrawlError):
-            raise got
-        return got
-
     def finish_claims(self, lease: Lease,
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
                       ttl_s: float) -> list[bool | CrawlError]:
         """``finish_claim`` for many ``(claim key, record, value)``, in one step."""
-        ttl = self._ttl(ttl_s, "ttl_s")
+        ttl = self._positive_ttl(ttl_s, "ttl_s")
         values = [dumps(value, record) for _, record, value in items]
         out: list[bool | CrawlError] = []
         with self._op("finish") as space:
@@ -427,7 +404,7 @@ class MemoryLeaseStore(StoreDriver):
                  lease: Lease | None = None, ttl_s: float | None = None) -> None:
         """Write records atomically: every fence is checked before any write. No items: nothing
         asked, nothing checked."""
-        ttl = None if ttl_s is None else self._ttl(ttl_s, "ttl_s")
+        ttl = None if ttl_s is None else self._positive_ttl(ttl_s, "ttl_s")
         values = [dumps(value, key) for key, value in items]
         if not values:
             return
@@ -436,10 +413,6 @@ class MemoryLeaseStore(StoreDriver):
             expires_at = None if ttl is None else space.clock() + ttl
             for (key, _), value in zip(items, values, strict=True):
                 self._write(space, key, value, lease, expires_at)
-
-    def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
-        """Records for ``keys``."""
-        return [record for record, _ in self.get_many_versioned(keys)]
 
     def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
         """Records for ``keys``, each with its write's revision as its version."""

@@ -66,6 +66,8 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from .._urls import endpoint, query_options, split_credentials
+from .._urls import masked_url as mask_url
 from ..errors import (
     ConfigError,
     CrawlError,
@@ -80,8 +82,6 @@ from ..errors import (
 from ._driver import StoreDriver, decoded_items
 from ._driver import dumps as _dumps
 from ._driver import loads as _loads
-from ._urls import endpoint, query_options, split_credentials
-from ._urls import masked_url as mask_url
 from .base import Characteristic, Claim, Lease, Taken
 
 __all__ = ["RedisLeaseStore", "is_cluster_url", "key_prefix", "parse_redis_url",
@@ -93,7 +93,6 @@ _CLAIM_BATCH = 1000
 #: Attempts of a claim read whose claimants changed hands between the reads.
 _READ_ATTEMPTS = 4
 _PUT_BATCH = 500
-_POLL_S = 0.25
 _SSL_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 _CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
               "none": ssl.CERT_NONE}
@@ -448,9 +447,7 @@ class RedisLeaseStore(StoreDriver):
 
     @staticmethod
     def _ttl_ms(ttl_s: float, what: str = "ttl") -> int:
-        if not ttl_s > 0:
-            raise ConfigError(f"{what}: must be positive, got {ttl_s!r}")
-        return max(1, round(ttl_s * 1000))
+        return max(1, round(StoreDriver._positive_ttl(ttl_s, what) * 1000))
 
     def _fence_args(self, lease: Lease | None) -> tuple[str, list[str]]:
         if lease is None:
@@ -643,19 +640,6 @@ class RedisLeaseStore(StoreDriver):
         return [r if isinstance(r, CrawlError) else bool(r)
                 for r in self._eval_batch("finish", calls)]
 
-    def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                     ttl_s: float) -> bool:
-        """Write record ``record`` (unfenced, ``ttl_s``), then delete claim ``key`` if it is
-        bound to ``lease``, in one script (``finish.lua``); True if the claim was deleted."""
-        reply, _ = self._eval(
-            "finish",
-            [self._k("rec", record), self._k("claim", key), self._k("claims-of", lease.name),
-             self._index_key],
-            [_dumps(value, record), self._ttl_ms(ttl_s, "ttl_s"), lease.name, lease.holder,
-             lease.token],
-        )
-        return bool(reply)
-
     def _claims_from(self, flat: Sequence[Any], *, strict: bool) -> list[Claim]:
         """Claims from a script's flat reply. Foreign data raises ``StoreDataError`` naming the
         key when ``strict``; otherwise it is logged and skipped, so one forged entry cannot
@@ -809,10 +793,6 @@ class RedisLeaseStore(StoreDriver):
             raise StoreDataError(f"{self.url}: write to {key!r} refused: its stored writer "
                                  f"token is not a number (data celery-crawl did not write)")
 
-    def get_many(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
-        """Records for ``keys`` in one round trip."""
-        return self._get_many(keys, strict=True)
-
     def get_many_versioned(self, keys: Sequence[str]) -> list[tuple[dict[str, Any] | None, str]]:
         """Records for ``keys`` in one round trip, each with its stored JSON as its version."""
         raws = self._raw_many(keys)
@@ -933,24 +913,22 @@ class RedisLeaseStore(StoreDriver):
         """A ``PING``."""
         self._call("ping", self._redis.ping)
 
-    def watch_free(self, name: str, timeout_s: float) -> bool:
-        """Wait for a release announcement of ``name``, polling ``holder`` every 0.25 s as a
-        fallback (expiry publishes nothing). True once it is seen free."""
-        deadline = self._now() + max(0.0, timeout_s)
+    @contextlib.contextmanager
+    def _release_waiter(self, name: str) -> Iterator[Callable[[float], bool]]:
+        """``watch_free`` wakes on the release announcement of ``name`` (``release.lua``
+        publishes it on the namespace's channel); it still looks at ``holder`` between waits,
+        because an expiry publishes nothing."""
         with self._translate("watch_free"):
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(self._channel)
                 self.round_trips += 1
-                while True:
-                    if self.holder(name) is None:
-                        return True
-                    left = deadline - self._now()
-                    if left <= 0:
-                        return False
-                    msg = pubsub.get_message(timeout=min(_POLL_S, left))
-                    if msg is not None and msg.get("data") == name:
-                        return True
+
+                def wait(seconds: float) -> bool:
+                    msg = pubsub.get_message(timeout=seconds)
+                    return msg is not None and msg.get("data") == name
+
+                yield wait
             finally:
                 with contextlib.suppress(Exception):
                     pubsub.close()

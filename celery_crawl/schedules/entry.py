@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from typing import Any
 
-from .policies import CATCHUP_POLICIES, OVERLAP_POLICIES
+from .fingerprint import fingerprint
+from .policies import (
+    CATCHUP_POLICIES,
+    DEFAULT_CATCHUP,
+    DEFAULT_OVERLAP,
+    OVERLAP_POLICIES,
+    Catchup,
+    CatchupPolicy,
+    Overlap,
+)
 from .tzcron import TzCron
 
 __all__ = ["CATCHUP_POLICIES", "OVERLAP_POLICIES", "EntrySpec", "digest"]
 
 
 def digest(definition: Any) -> str:
-    """The fingerprint of a definition: sha256 of its canonical JSON (reprs for foreign objects).
-
-    The one fingerprint function: a file entry uses the whole digest, a ``beat_schedule``
-    entry its first 16 hex digits (``beat.entries.fingerprint_of``), as their stored records
-    have always had them; a different value would start every entry afresh after an upgrade.
-    """
-    text = json.dumps(definition, sort_keys=True, separators=(",", ":"), default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()
+    """The whole fingerprint of a definition (:func:`~celery_crawl.schedules.fingerprint.
+    fingerprint`), the form a schedule-file entry's records have always had."""
+    return fingerprint(definition)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +40,19 @@ class EntrySpec:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     queue: str | None = None
-    overlap: str = "skip"
-    catchup: str = "latest"
-    catchup_window_s: float = 3600.0
-    catchup_max: int = 10
+    overlap: Overlap = DEFAULT_OVERLAP
+    catchup: Catchup = DEFAULT_CATCHUP.mode
+    catchup_window_s: float = DEFAULT_CATCHUP.window_s
+    catchup_max: int = DEFAULT_CATCHUP.max_runs
     expires_s: float | None = None
     priority: int | None = None
     paused: bool = False
     source: str = ""
+
+    def __post_init__(self) -> None:
+        # A spelling from a file or a caller's string becomes the member (ValueError if none).
+        object.__setattr__(self, "overlap", Overlap(self.overlap))
+        object.__setattr__(self, "catchup", Catchup(self.catchup))
 
     def __hash__(self) -> int:
         # The generated hash would fail on the kwargs dict; name and fingerprint identify it.
@@ -62,6 +69,16 @@ class EntrySpec:
             out["priority"] = self.priority
         return out
 
+    def catchup_policy(self) -> CatchupPolicy:
+        """The catch-up fields as the policy the beat plans with (the type a ``beat_schedule``
+        entry's options become too).
+
+        Raises:
+            ValueError: ``catchup_max`` is below 1.
+        """
+        return CatchupPolicy(self.catchup, window_s=float(self.catchup_window_s),
+                             max_runs=int(self.catchup_max))
+
     def fingerprint(self) -> str:
         """A stable digest of everything that defines the runs.
 
@@ -75,11 +92,11 @@ class EntrySpec:
             "args": list(self.args),
             "kwargs": self.kwargs,
             "queue": self.queue,
-            "overlap": self.overlap,
-            "catchup": self.catchup,
+            "overlap": self.overlap.value,
+            "catchup": self.catchup.value,
             "catchup_window_s": self.catchup_window_s,
             "catchup_max": self.catchup_max,
             "expires_s": self.expires_s,
             "priority": self.priority,
         }
-        return digest(canon)
+        return fingerprint(canon)

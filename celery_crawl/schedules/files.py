@@ -20,6 +20,7 @@ with both places named.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import glob
 import json
 import math
@@ -30,14 +31,14 @@ import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from datetime import date, time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..config import DEFAULTS
 from ..durations import parse_duration
 from ..errors import ConfigError, ScheduleError, ScheduleFileError
 from .cron import CronExpr
-from .entry import CATCHUP_POLICIES, OVERLAP_POLICIES, EntrySpec
-from .slots import FOLD_POLICIES, GAP_POLICIES
+from .entry import EntrySpec
+from .policies import DEFAULT_CATCHUP, DEFAULT_OVERLAP, Catchup, Fold, Gap, Overlap
 from .tzcron import TzCron, jitter_seconds
 from .zones import load_zone
 
@@ -56,6 +57,9 @@ MAX_FILE_BYTES = 1024 * 1024
 #: Deepest nesting of arrays/tables accepted in a file, counting the file itself, [entries] and
 #: the entry: real task arguments are shallow, and deep nesting only serves to exhaust a parser.
 MAX_DEPTH = 32
+
+#: A policy enum that a file option names one member of.
+_P = TypeVar("_P", bound=enum.StrEnum)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}")
 _TASK = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -317,16 +321,16 @@ def _build_entry(
                    "use an IANA name such as 'Europe/Berlin'")
     else:
         take("tz", _zone, None)
-    take("gap", _choice("gap", GAP_POLICIES), "shift")
-    take("fold", _choice("fold", FOLD_POLICIES), "first")
+    take("gap", _choice(Gap), Gap.SHIFT)
+    take("fold", _choice(Fold), Fold.FIRST)
     take("jitter", _jitter, 0.0)
     take("args", _args, ())
     take("kwargs", _kwargs, {})
     take("queue", _queue, None)
-    take("overlap", _choice("overlap", OVERLAP_POLICIES), "skip")
-    take("catchup", _choice("catchup", CATCHUP_POLICIES), "latest")
-    take("catchup_window", _duration("catchup_window"), 3600.0)
-    take("catchup_max", _count, 10)
+    take("overlap", _choice(Overlap), DEFAULT_OVERLAP)
+    take("catchup", _choice(Catchup), DEFAULT_CATCHUP.mode)
+    take("catchup_window", _duration("catchup_window"), DEFAULT_CATCHUP.window_s)
+    take("catchup_max", _count, DEFAULT_CATCHUP.max_runs)
     take("expires", _expires, None)
     take("priority", _priority, None)
     take("paused", _bool, False)
@@ -394,11 +398,13 @@ def _zone(value: object) -> str:
     return zone.key
 
 
-def _choice(field: str, allowed: Sequence[str]) -> Callable[[object], str]:
-    def convert(value: object) -> str:
+def _choice(policy: type[_P]) -> Callable[[object], _P]:
+    allowed = [p.value for p in policy]
+
+    def convert(value: object) -> _P:
         if not isinstance(value, str) or value not in allowed:
             raise ValueError(f"{value!r} is not one of {', '.join(allowed)}")
-        return value
+        return policy(value)
 
     return convert
 

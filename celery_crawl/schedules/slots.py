@@ -23,7 +23,7 @@ from zoneinfo import ZoneInfo
 
 from ..errors import ScheduleError
 from .cron import CronExpr, wall_next
-from .policies import FOLD_POLICIES, GAP_POLICIES
+from .policies import FOLD_POLICIES, GAP_POLICIES, Fold, Gap
 from .zones import WallKind, resolve_wall, transition_between, utc_naive
 
 __all__ = ["FOLD_POLICIES", "GAP_POLICIES", "SlotRule"]
@@ -41,7 +41,8 @@ class SlotRule:
 
     __slots__ = ("_memo", "cron", "fold", "gap", "tz")
 
-    def __init__(self, cron: CronExpr, tz: object, *, gap: str = "shift", fold: str = "first"):
+    def __init__(self, cron: CronExpr, tz: object, *, gap: Gap | str = Gap.SHIFT,
+                 fold: Fold | str = Fold.FIRST):
         if gap not in GAP_POLICIES:
             raise ScheduleError(f"gap: {gap!r} must be one of {', '.join(GAP_POLICIES)}")
         if fold not in FOLD_POLICIES:
@@ -50,8 +51,8 @@ class SlotRule:
             raise ScheduleError("SlotRule needs a ZoneInfo")
         self.cron = cron
         self.tz = tz
-        self.gap = gap
-        self.fold = fold
+        self.gap = Gap(gap)
+        self.fold = Fold(fold)
         # Recent answers: jitter and the scheduler ask for the same slots again and again
         # (a slot's successor is the next call's starting point). Bounded; safe to share.
         self._memo: dict[datetime, datetime] = {}
@@ -64,11 +65,11 @@ class SlotRule:
         if kind is WallKind.NORMAL:
             return (first,)
         if kind is WallKind.GAP:
-            return (first,) if fixed and self.gap == "shift" else ()
+            return (first,) if fixed and self.gap is Gap.SHIFT else ()
         assert second is not None
-        if not fixed or self.fold == "both":
+        if not fixed or self.fold is Fold.BOTH:
             return (first, second)
-        return (first,) if self.fold == "first" else (second,)
+        return (first,) if self.fold is Fold.FIRST else (second,)
 
     def next_slot(self, after: datetime) -> datetime:
         """The first nominal slot strictly after the aware instant ``after``, aware UTC.
@@ -108,7 +109,7 @@ class SlotRule:
         off0 = local.utcoffset()
         off1 = local.replace(fold=1).utcoffset()
         assert off0 is not None and off1 is not None
-        if not second_pass and off0 > off1 and (not fixed or self.fold != "first"):
+        if not second_pass and off0 > off1 and (not fixed or self.fold is not Fold.FIRST):
             # ``after`` is on the first pass of a fold: wall times of the fold already passed
             # (from its start F0 up to ``wall``) come round again after the transition T.
             t = transition_between(a, a + (off0 - off1), self.tz)

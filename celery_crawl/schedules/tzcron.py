@@ -8,8 +8,6 @@ beat's shelve, JSON for stores) and the ``BaseSchedule`` interface (``is_due``,
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
@@ -21,7 +19,9 @@ from celery.schedules import BaseSchedule, schedstate
 from ..durations import parse_duration
 from ..errors import ConfigError, ScheduleError
 from .cron import cron_expr
+from .fingerprint import fingerprint
 from .jitter import jitter_offset_s
+from .policies import Fold, Gap
 from .slots import SlotRule
 from .zones import load_zone
 
@@ -95,8 +95,8 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         tz: str | ZoneInfo,
         *,
         name: str | None = None,
-        gap: str = "shift",
-        fold: str = "first",
+        gap: Gap | str = Gap.SHIFT,
+        fold: Fold | str = Fold.FIRST,
         jitter: float = 0,
         nowfun: Callable[[], datetime] | None = None,
         app: Any = None,
@@ -135,12 +135,12 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         return self._name
 
     @property
-    def gap(self) -> str:
+    def gap(self) -> Gap:
         """The gap policy: ``"shift"`` or ``"skip"``."""
         return self._rule.gap
 
     @property
-    def fold(self) -> str:
+    def fold(self) -> Fold:
         """The fold policy: ``"first"``, ``"last"`` or ``"both"``."""
         return self._rule.fold
 
@@ -280,8 +280,8 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
             "expr": self.expr,
             "tz": self.zone_name,
             "name": self._name,
-            "gap": self.gap,
-            "fold": self.fold,
+            "gap": self.gap.value,
+            "fold": self.fold.value,
             "jitter": self._jitter_s,
         }
 
@@ -315,12 +315,11 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
         canon = {
             "expr": " ".join(self._cron.fields),
             "tz": self.zone_name,
-            "gap": self.gap,
-            "fold": self.fold,
+            "gap": self.gap.value,
+            "fold": self.fold.value,
             "jitter": self._jitter_s,
         }
-        text = json.dumps(canon, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
+        return fingerprint(canon)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The app and nowfun are process-local; like celery's crontab, they are not pickled.
@@ -339,8 +338,8 @@ class TzCron(BaseSchedule):  # type: ignore[misc]
             f", {k}={v!r}"
             for k, v, default in (
                 ("name", self._name, None),
-                ("gap", self.gap, "shift"),
-                ("fold", self.fold, "first"),
+                ("gap", self.gap.value, Gap.SHIFT.value),
+                ("fold", self.fold.value, Fold.FIRST.value),
                 ("jitter", self._jitter_s, 0.0),
             )
             if v != default

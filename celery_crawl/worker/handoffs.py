@@ -26,7 +26,7 @@ from typing import Any
 
 from celery.signals import before_task_publish
 
-from . import finishing
+from .. import _finishing as finishing
 from .claims import lenient_int
 from .context import CLAIM_HEADER
 

@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from .. import keys, metrics
 from ..errors import LeaseLost, StoreError
+from ..leases import make_holder
 from ..leases.base import Lease, LeaseStore
 
 __all__ = ["Keeper", "LeaseState", "boottime", "new_holder"]
@@ -53,11 +51,7 @@ def boottime() -> float:
 
 def new_holder() -> str:
     """A holder id unique to this process start (``hostname:pid:random``)."""
-    try:
-        from ..leases import make_holder
-    except ImportError:
-        return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
-    return str(make_holder())
+    return make_holder()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,4 +1,7 @@
-"""Store URLs: masking for errors and logs, and splitting off credentials safely.
+"""Store URLs: the lease schemes, masking for errors and logs, and splitting off credentials.
+
+Below both ``config`` (which validates ``crawl_lease_url`` and masks URLs in its errors) and
+``leases`` (whose drivers parse their URL grammars): neither has to import the other for them.
 
 Passwords reach us percent-encoded or not. A raw ``#``, ``/``, ``?`` or ``@`` in a password
 confuses ``urllib.parse`` (the rest of the password becomes a fragment, path or host, and a
@@ -13,9 +16,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
-__all__ = ["endpoint", "masked_url", "query_options", "split_credentials"]
+__all__ = ["LEASE_SCHEMES", "endpoint", "masked_url", "query_options", "split_credentials"]
+
+#: The schemes ``crawl_lease_url`` accepts (``memory://`` is for tests: ``open_store`` only).
+LEASE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "etcd", "etcd+https",
+                 "etcd+http")
 
 _SECRET_OPTIONS = re.compile(r"(?i)([?&](?:password|passwd|pass|token|secret)=)[^&#]*")
 
