@@ -36,6 +36,7 @@ from celery.exceptions import InvalidTaskError
 from celery.worker import state as worker_state
 from kombu.exceptions import ContentDisallowed, DecodeError
 
+from .. import _celery_compat as compat
 from .. import keys, metrics, status
 from ..config import CrawlConfig
 from ..errors import LeaseLost, PoisonMessage, StoreError
@@ -104,6 +105,8 @@ class LeaseStep(bootsteps.StartStopStep):
         self._loop_ident: int | None = None
         #: Between ``attach`` and ``detach``: the consumer's loop runs and takes follow-ups.
         self._loop_running = False
+        #: The consumer timer's entry re-checking parked deliveries (between attach and detach).
+        self._recheck_entry: Any = None
         # Before the pool forks (our start runs after it), so every child inherits the path.
         finishing.setup()
         w.crawl_lease = self
@@ -178,7 +181,7 @@ class LeaseStep(bootsteps.StartStopStep):
     # -- consumer attach/detach (ClaimStep) ------------------------------------------------
     def attach(self, c: Any) -> None:
         """Wrap every task strategy of a (re)started consumer and start re-checking parked."""
-        _guard_connection_close(c)
+        compat.guard_connection_close(c)
         if self.consumer is not None:
             # A reconnection: Celery dropped the reserved requests of the old channel (the broker
             # redelivers them), so their claims must go too or the copies would park forever.
@@ -191,7 +194,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self.consuming = True
         for name in list(c.strategies):
             c.strategies[name] = self._wrap(name, c.strategies[name])
-        c._crawl_recheck = c.timer.call_repeatedly(self._recheck_s, self._recheck_parked)
+        self._recheck_entry = c.timer.call_repeatedly(self._recheck_s, self._recheck_parked)
         if self.keeper is not None and self.keeper.lease is None and (
             self.config.on_lease_loss == "cancel"
         ):
@@ -233,13 +236,12 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def _will_run(self, held: Held) -> bool:
         req = worker_state.requests.get(held.task_id)
-        if req is None or getattr(req, "_message", None) is not held.message:
+        if req is None or compat.request_message(req) is not held.message:
             return False
         if req in worker_state.active_requests or req.time_start:
             return True
-        if self.pool_name == "threads" and req._apply_result is not None:
-            result = req._apply_result()
-            future = getattr(result, "f", None)
+        if self.pool_name == "threads":
+            future = compat.threads_pool_future(req)
             return future is not None and not future.done()
         return False
 
@@ -249,11 +251,10 @@ class LeaseStep(bootsteps.StartStopStep):
         # (acks of recorded ends go out; decisions are not applied, see ``_apply_later``).
         self._loop_running = False
         self._offload.stop()
-        entry = getattr(c, "_crawl_recheck", None)
+        entry, self._recheck_entry = self._recheck_entry, None
         if entry is not None:
             with contextlib.suppress(Exception):
                 entry.cancel()
-            c._crawl_recheck = None
 
     # -- deliveries ------------------------------------------------------------------------
     def _wrap(self, task_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -769,14 +770,10 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def _cancel_request(self, held: Held) -> int:
         req = worker_state.requests.get(held.task_id)
-        if req is None or getattr(req, "_message", None) is not held.message:
+        if req is None or compat.request_message(req) is not held.message:
             return 0
         # Not announced as revoked/retried: the task is not over, it runs elsewhere.
-        req._already_cancelled = True
-        entry = getattr(req, "_eta_timer_entry", None)
-        if entry is not None:
-            with contextlib.suppress(Exception):
-                entry.cancel()
+        compat.cancel_quietly(req)
         pool = self.worker.pool
         if self.pool_name == "prefork":
             with contextlib.suppress(Exception):
@@ -785,8 +782,7 @@ class LeaseStep(bootsteps.StartStopStep):
                 worker_state.task_ready(req)
             return 1
         # threads pool: a running thread cannot be interrupted; only fencing protects it.
-        result = req._apply_result() if req._apply_result is not None else None
-        future = getattr(result, "f", None)
+        future = compat.threads_pool_future(req)
         if future is not None and future.cancel():
             worker_state.task_ready(req)
             return 1
@@ -806,10 +802,7 @@ class LeaseStep(bootsteps.StartStopStep):
             if broker == "redis" and held.token is not None and not requeue:
                 # Our claim records this tag: the reaper restores it exactly once. Forget it
                 # locally so closing our channel does not restore it a second time.
-                from kombu.transport.virtual.base import QoS as VirtualQoS
-
-                VirtualQoS.ack(message.channel.qos, held.delivery_tag)
-                message._state = "REJECTED"
+                compat.forget_unacked_locally(message, held.delivery_tag)
             else:
                 message.reject(requeue=True)
         except Exception as exc:  # a dead connection requeues by itself
@@ -881,26 +874,13 @@ def _settle_unless_fenced(held: Held, settle: Callable[[], Any]) -> None:
         settle()
 
 
-def _channel_gone(message: Any) -> bool:
-    """Whether the kombu virtual channel a message came on belongs to a collected connection.
-
-    Celery 5.7 collects a broken broker connection (which clears its transport's ``client``)
-    and then closes it; on the Redis transport every later use of that channel - acking a
-    message that was running, or the close itself restoring unacked messages - raises
-    ``AttributeError`` instead of a connection error, and the worker stops with
-    "Unrecoverable error". py-amqp channels have no such attribute and are never "gone" here.
-    """
-    transport = getattr(getattr(message, "channel", None), "connection", None)
-    return transport is not None and hasattr(transport, "client") and transport.client is None
-
-
 def _settler(held: Held, settle: Callable[..., Any], args: tuple[Any, ...],
              kw: dict[str, Any]) -> Callable[[], Any]:
     """Ack or reject ``held``, unless its channel is gone (then the end is already recorded:
     the tombstone drops the redelivery, or the claim's drop lets it run again)."""
 
     def call() -> Any:
-        if _channel_gone(held.message):
+        if compat.channel_gone(held.message):
             logger.warning("celery-crawl: %s[%s]: its broker connection is gone; not acking "
                            "on it (kombu's visibility timeout redelivers the message later, and "
                            "the done tombstone drops that copy)", held.extra.get("task"),
@@ -909,38 +889,6 @@ def _settler(held: Held, settle: Callable[..., Any], args: tuple[Any, ...],
         return settle(*args, **kw)
 
     return call
-
-
-def _guard_connection_close(c: Any) -> None:
-    """Keep a Redis broker restart from stopping the worker (Celery 5.7 with kombu 5).
-
-    The consumer's connection-loss handler collects the broken connection, then closes it; the
-    close makes kombu's Redis channel restore its unacked messages through the collected
-    transport and raise ``AttributeError``, which Celery does not expect there. The close is
-    made to swallow exactly that; the messages it could not restore are restored by the
-    reconnected consumer (``_forget_unstarted``) or the reaper.
-    """
-    if getattr(c, "_crawl_close_guard", False):
-        return
-    original = c.on_connection_error_after_connected
-
-    def on_connection_error_after_connected(exc: BaseException) -> Any:
-        conn = getattr(c, "connection", None)
-        if conn is not None and getattr(conn.transport, "driver_type", None) == "redis":
-            close = conn.close
-
-            def close_collected() -> None:
-                try:
-                    close()
-                except AttributeError as err:
-                    logger.warning("celery-crawl: closing the lost broker connection: %s "
-                                   "(its unacked messages are restored on reconnection)", err)
-
-            conn.close = conn.release = close_collected
-        return original(exc)
-
-    c.on_connection_error_after_connected = on_connection_error_after_connected
-    c._crawl_close_guard = True
 
 
 def _jsonable(value: Any) -> Any:
