@@ -46,6 +46,7 @@ from . import finishing
 from .broker import BrokerOps, broker_ops
 from .claims import ClaimBook, Claimer, Decision, Held, Outcome, lenient_int, message_digest
 from .context import CLAIM_HEADER
+from .delivery import Delivery
 from .guards import check_beat, check_memory, check_pool
 from .keeper import Keeper
 from .offload import Offloader
@@ -279,9 +280,10 @@ class LeaseStep(bootsteps.StartStopStep):
                 queue=info.get("routing_key"), deliveries=0, retries=retries,
                 generation=(lenient_int(headers.get("replaced_task_nesting")), retries),
                 digest=message_digest(headers, message.body), message=message,
-                extra={"task": task_name, "run": (original, body, ack, reject, callbacks,
-                                                  kwargs),
-                       "exchange": info.get("exchange"), "routing_key": info.get("routing_key")},
+                task_name=task_name, exchange=info.get("exchange"),
+                routing_key=info.get("routing_key"),
+                delivery=Delivery(original, body, ack, reject, callbacks, kwargs,
+                                  consumer=step.consumer),
             )
             if step._offloading():
                 step._decide_later(held)
@@ -315,7 +317,6 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def _decide_later(self, held: Held) -> None:
         """Decide a fresh delivery on the offload thread; apply the decision on the loop."""
-        held.extra["consumer"] = self.consumer
         self._offload.submit_item("decide", held)
 
     def _decide_batch(self, helds: list[Held]) -> list[Callable[[], None]]:
@@ -337,7 +338,7 @@ class LeaseStep(bootsteps.StartStopStep):
         consumer was rebuilt (Celery dropped the reserved deliveries of the old connection) or
         the lease the claim was made under is no longer the current one."""
         claimed = decision.outcome in (Outcome.RUN, Outcome.POISON)
-        if (held.extra.get("consumer") is not self.consumer or self._closed
+        if (_delivery(held).consumer is not self.consumer or self._closed
                 or not self._loop_running):
             if claimed:
                 held.token, held.deliveries = decision.token, decision.deliveries
@@ -386,7 +387,7 @@ class LeaseStep(bootsteps.StartStopStep):
         try:
             decision = self.claimer.decide(
                 held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
-                exchange=held.extra.get("exchange"), routing_key=held.extra.get("routing_key"),
+                exchange=held.exchange, routing_key=held.routing_key,
                 retries=held.retries, generation=held.generation, digest=held.digest,
                 known_deliveries=held.deliveries, parked=held.parked,
                 holder=held.holder, alive_at=held.alive_at)
@@ -414,7 +415,7 @@ class LeaseStep(bootsteps.StartStopStep):
             metrics.WORKER_DUPLICATES_PARKED.labels("dropped").inc()
             logger.warning("celery-crawl: %s[%s] already finished (done tombstone) and handed "
                            "its id on to no newer message; dropping this delivery as a "
-                           "duplicate", held.extra["task"], held.task_id)
+                           "duplicate", held.task_name, held.task_id)
             self._call_ack(held)
         elif outcome is Outcome.PARK:
             held.parked = True
@@ -426,7 +427,7 @@ class LeaseStep(bootsteps.StartStopStep):
                 metrics.WORKER_DUPLICATES_PARKED.labels("parked").inc()
                 logger.warning("celery-crawl: %s[%s] is claimed by live worker %s; parked "
                                "(not run, not acked) until that claim ends",
-                               held.extra["task"], held.task_id, decision.holder)
+                               held.task_name, held.task_id, decision.holder)
         else:
             # ``claimed_under``: the lease the claim was made under (the keeper may hold a newer
             # one by now).
@@ -449,13 +450,13 @@ class LeaseStep(bootsteps.StartStopStep):
         metrics.WORKER_CLAIMS.set(len(self.book))
 
     def _run(self, held: Held) -> None:
-        original, body, ack, reject, callbacks, kwargs = held.extra["run"]
+        run = _delivery(held)
         held.message.headers[CLAIM_HEADER] = held.token
 
         def on_ack(*args: Any, **kw: Any) -> Any:
             if held.fenced:
                 return None
-            settle = _settler(held, ack, args, kw)
+            settle = _settler(held, run.ack, args, kw)
             if not self._lease_valid_for(held):
                 return self._complete_stale(held, "done", False, settle)
             if self._offloading():
@@ -468,7 +469,7 @@ class LeaseStep(bootsteps.StartStopStep):
             if held.fenced:
                 return None
             requeue = bool(kw.get("requeue", args[2] if len(args) > 2 else False))
-            settle = _settler(held, reject, args, kw)
+            settle = _settler(held, run.reject, args, kw)
             if not self._lease_valid_for(held):
                 return self._complete_stale(held, "rejected", requeue, settle)
             if self._offloading():
@@ -477,9 +478,8 @@ class LeaseStep(bootsteps.StartStopStep):
             self._complete(held, "rejected", requeue=requeue)
             return settle()
 
-        held.extra["ack"], held.extra["reject"] = ack, reject
         try:
-            original(held.message, body, on_ack, on_reject, callbacks, **kwargs)
+            run.strategy(held.message, run.body, on_ack, on_reject, run.callbacks, **run.kwargs)
         except BaseException:
             # Celery refuses the message itself (undecodable body, content type not accepted,
             # invalid task): it rejects it outside our callbacks, so the claim goes here.
@@ -516,7 +516,7 @@ class LeaseStep(bootsteps.StartStopStep):
         except StoreError:
             ours = None
         logger.warning("celery-crawl: %s[%s] ended after its lease was lost (claim %s)",
-                       held.extra["task"], held.task_id,
+                       held.task_name, held.task_id,
                        {True: "still ours", False: "taken over", None: "unknown"}[ours])
         if ours:
             with contextlib.suppress(StoreError, LeaseLost):
@@ -611,13 +611,13 @@ class LeaseStep(bootsteps.StartStopStep):
                 return
 
     def _call_ack(self, held: Held) -> None:
-        ack = held.extra["run"][2]
+        ack = _delivery(held).ack
         consumer = self.consumer
         _settler(held, ack, (logger, getattr(consumer, "connection_errors", ())), {})()
 
     def _poison(self, held: Held) -> None:
         """End a task delivered ``crawl_max_deliveries`` times as FAILURE, without running it."""
-        name = held.extra["task"]
+        name = held.task_name
         task = self.app.tasks.get(name)
         message = held.message
         reason = (f"delivered {held.deliveries} times (crawl_max_deliveries="
@@ -883,12 +883,19 @@ def _settler(held: Held, settle: Callable[..., Any], args: tuple[Any, ...],
         if compat.channel_gone(held.message):
             logger.warning("celery-crawl: %s[%s]: its broker connection is gone; not acking "
                            "on it (kombu's visibility timeout redelivers the message later, and "
-                           "the done tombstone drops that copy)", held.extra.get("task"),
+                           "the done tombstone drops that copy)", held.task_name,
                            held.task_id)
             return None
         return settle(*args, **kw)
 
     return call
+
+
+def _delivery(held: Held) -> Delivery:
+    """The strategy's arguments of a hold made by ``crawl_claimed_strategy`` (every hold of
+    this step is)."""
+    assert held.delivery is not None, f"hold of {held.task_id} carries no delivery"
+    return held.delivery
 
 
 def _jsonable(value: Any) -> Any:
