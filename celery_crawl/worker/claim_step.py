@@ -42,6 +42,7 @@ from ..config import CrawlConfig
 from ..errors import LeaseLost, PoisonMessage, StoreError
 from ..leases.base import Lease, LeaseStore
 from . import finishing
+from .backlog import Backlog
 from .broker import BrokerOps
 from .claims import ClaimBook, Claimer, Decision, Held, Outcome, lenient_int, message_digest
 from .context import CLAIM_HEADER
@@ -73,8 +74,7 @@ class ClaimStep(bootsteps.StartStopStep):
         self.lease_step: LeaseStep = c.controller.crawl_lease
         self.lease_step.claim_step = self
         self.book = ClaimBook()
-        self.backlog: list[tuple[Held, str, bool]] = []
-        self._backlog_lock = threading.Lock()
+        self.backlog = Backlog()
         self.claimer: Claimer | None = None
         self.consumer: Any = None
         self.consuming = True
@@ -568,21 +568,12 @@ class ClaimStep(bootsteps.StartStopStep):
             self._decide(held)
 
     def _defer(self, held: Held, state: str, requeue: bool) -> None:
-        with self._backlog_lock:
-            self.backlog.append((held, state, requeue))
+        self.backlog.add(held, state, requeue)
 
     def drain_backlog(self) -> None:
         """Keeper hook: record the ends that could not be recorded when they happened."""
-        with self._backlog_lock:
-            pending, self.backlog = self.backlog, []
         assert self.claimer is not None
-        for i, (held, state, requeue) in enumerate(pending):
-            try:
-                self.claimer.finish(held, state=state, requeue=requeue)
-            except (StoreError, LeaseLost):
-                with self._backlog_lock:
-                    self.backlog.extend(pending[i:])
-                return
+        self.backlog.drain(self.claimer.finish)
 
     def _call_ack(self, held: Held) -> None:
         ack = _delivery(held).ack
