@@ -131,7 +131,7 @@ class ClaimStep(bootsteps.StartStopStep):
         return self.lease_step.keeper
 
     # -- worker lease lifecycle (called by LeaseStep) ---------------------------------------
-    def open(self, store: LeaseStore, keeper: Keeper) -> None:
+    def bind_lease(self, store: LeaseStore, keeper: Keeper) -> None:
         """The worker lease is held: claims can be made under it from now on."""
         config = self.config
         self.claimer = Claimer(store, self._claim_lease,
@@ -140,7 +140,7 @@ class ClaimStep(bootsteps.StartStopStep):
                                recheck_s=self._recheck_s)
         self._applied_generation = keeper.state().generation
 
-    def close(self, *, lease_held: bool) -> None:
+    def release_deliveries(self, *, lease_held: bool) -> None:
         """The worker lease is about to be released (the pool has finished): record what ended,
         and drop the claims of deliveries that will not run."""
         self._closed = True

@@ -82,7 +82,7 @@ class LeaseStep(bootsteps.StartStopStep):
             done_ttl_s=config.done_ttl_s, grace_s=orphan_grace(config.store_timeout_s))
         self.keeper.hooks = [claims.refresh_unacked, claims.drain_backlog, self.reaper]
         lease = self.keeper.acquire_blocking(timeout_s=max(config.worker_lease_ttl_s, 5.0))
-        claims.open(self.store, self.keeper)
+        claims.bind_lease(self.store, self.keeper)
         self.keeper.start()
         status.install(self.app, lambda: status.worker_process(self))
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_addr)
@@ -110,7 +110,7 @@ class LeaseStep(bootsteps.StartStopStep):
             return
         self._closed = True
         if self.claim_step is not None:
-            self.claim_step.close(lease_held=self.keeper is not None)
+            self.claim_step.release_deliveries(lease_held=self.keeper is not None)
         if self.keeper is not None:
             self.keeper.stop(release=True)
         if self.reaper is not None:
