@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ._celery_compat import config_source
 from .config import CrawlConfig
 from .errors import (
     AbandonedRun,
@@ -122,7 +123,7 @@ def _app_sets(app: Any, key: str) -> bool:
     conf = app.conf
     if key in getattr(conf, "changes", {}):
         return True
-    source = getattr(app, "_config_source", None)
+    source = config_source(app)
     if isinstance(source, dict):
         return key in source
     return source is not None and hasattr(source, key)

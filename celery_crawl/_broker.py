@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ._celery_compat import priority_queue_key, restore_unacked
+
 __all__ = ["AmqpBroker", "BrokerOps", "RedisBroker", "broker_ops", "json_tag"]
 
 logger = logging.getLogger(__name__)
@@ -127,7 +129,7 @@ class RedisBroker:
                 # from the right, so the right end of the message's own priority list is the
                 # head. A recovered task is next, not behind the whole backlog (kombu's
                 # "leftmost" is the tail for its own consumer).
-                chan.qos.restore_by_tag(json_tag(tag), leftmost=False)
+                restore_unacked(chan, json_tag(tag), leftmost=False)
                 done += 1
             return done
         except Exception:
@@ -172,7 +174,7 @@ class RedisBroker:
                         "LRANGE",)) else str(getattr(client, "global_keyprefix", "") or "")
                     for queue in dict.fromkeys(queues):
                         for pri in chan.priority_steps:
-                            key = prefix + chan._q_for_pri(queue, pri)
+                            key = prefix + priority_queue_key(chan, queue, pri)
                             start = 0
                             while wanted - found:
                                 if start and between is not None:

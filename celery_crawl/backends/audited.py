@@ -62,6 +62,7 @@ from kombu.utils.encoding import bytes_to_str
 from redis import exceptions as redis_errors
 
 from .. import _finishing as finishing
+from .._celery_compat import call_task_errbacks, fail_chain, max_value_size, result_meta
 from ..config import CrawlConfig, mask_url
 from ..errors import (
     ConfigError,
@@ -526,11 +527,10 @@ class AuditedRedisBackend(RedisBackend):
             # The body has returned: a lease loss from here on must not kill this run (its
             # work is done); the worker plugin reads the mark (see worker/finishing.py).
             finishing.mark(bytes_to_str(task_id))
-        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
-                                     request=request)
+        meta = result_meta(self, result, state, traceback, request)
         meta["task_id"] = bytes_to_str(task_id)
         value, digest = self.encode_meta(meta)
-        if len(value) > self._MAX_STR_VALUE_SIZE:
+        if len(value) > max_value_size(self):
             raise BackendStoreError("value too large for Redis backend", state=state,
                                     task_id=task_id)
         token = _claim_token(request)
@@ -583,10 +583,10 @@ class AuditedRedisBackend(RedisBackend):
         if request:
             if request.chord:
                 self.on_chord_part_return(request, state, exc)
-            self._fail_chain(getattr(request, "chain", None), exc, traceback,
-                             store_result=store_result, state=state)
+            fail_chain(self, getattr(request, "chain", None), exc, traceback,
+                       store_result=store_result, state=state)
             if call_errbacks and request.errbacks:
-                self._call_task_errbacks(request, exc, traceback)
+                call_task_errbacks(self, request, exc, traceback)
 
     def write_state(self, task_id: str, value: str, state: str, *, token: int | None,
                     digest: str, worker: str = "", rollback: str = "",

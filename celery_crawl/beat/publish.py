@@ -21,6 +21,7 @@ import time
 from datetime import datetime
 from typing import Any
 
+from .._celery_compat import exec_options, task_registry
 from ..clock import monotonic
 from ..schedules import task_id_for
 from ..schedules.ids import task_id_for_text
@@ -83,13 +84,10 @@ class Publisher:
         user_headers = dict(options.pop("headers", None) or {})
         # As app.send_task does: a registered task's execution options are the defaults.
         # The registry itself, as send_task reads it, so the app is not finalized for this.
-        registry = getattr(app, "_tasks", None)
+        registry = task_registry(app)
         task = registry.get(entry.task) if registry is not None else None
-        merged = dict(options)
-        get_exec = getattr(task, "_get_exec_options", None)
-        if callable(get_exec):
-            defaults = {k: v for k, v in (get_exec() or {}).items() if v is not None}
-            merged = dict(defaults, **options)
+        defaults = {k: v for k, v in exec_options(task).items() if v is not None}
+        merged = dict(defaults, **options)
         expires = merged.pop("expires", None)
         time_limit = merged.pop("time_limit", None)
         soft_time_limit = merged.pop("soft_time_limit", None)

@@ -1,7 +1,7 @@
 """Task claims of one worker: what to do with a delivery, and what to write when it ends.
 
 This module does not import Celery: it talks to a ``LeaseStore`` and returns decisions that the
-consumer step (``steps.py``) carries out on Celery's objects.
+consumer step (``claim_step.py``) carries out on Celery's objects.
 
 A delivery of task ``id`` is decided in this order (one ``get_many_versioned`` and one
 ``claim_unless_changed``):
@@ -53,6 +53,7 @@ from typing import Any
 from .. import keys
 from ..errors import LeaseLost, RecordChanged, StoreError
 from ..leases.base import Claim, Lease, LeaseStore
+from .delivery import Delivery
 
 __all__ = [
     "ClaimBook",
@@ -113,8 +114,9 @@ class Decision:
 class Held:
     """One delivery this worker holds (claimed, or parked without a claim).
 
-    ``message``/``extra`` are opaque to this module (the consumer step keeps the kombu message and
-    its callbacks there). ``fenced`` is set when the lease was lost while the claim was held.
+    ``message``/``delivery`` are opaque to this module (the consumer step keeps the kombu message
+    and the strategy's arguments there). ``fenced`` is set when the lease was lost while the
+    claim was held.
     """
 
     task_id: str
@@ -135,8 +137,14 @@ class Held:
     digest: str = ""
     #: The run handed its task id on (set from the pool child's mark when it ends).
     handoff: bool = False
+    #: The registered name of the task (for logs and the poison path).
+    task_name: str = ""
+    #: Where the message was published to (recorded in the claim).
+    exchange: str | None = None
+    routing_key: str | None = None
     message: Any = None
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: How the consumer step runs or settles this delivery (None for holds made elsewhere).
+    delivery: Delivery | None = None
     #: Unique per delivery: a message restored twice can reach us twice with the same tag.
     key: int = dataclasses.field(default_factory=itertools.count(1).__next__)
 
@@ -325,8 +333,7 @@ class Claimer:
             elif reply is None or isinstance(reply, RecordChanged):
                 out.append(self.decide(
                     held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
-                    exchange=held.extra.get("exchange"),
-                    routing_key=held.extra.get("routing_key"), retries=held.retries,
+                    exchange=held.exchange, routing_key=held.routing_key, retries=held.retries,
                     generation=held.generation, digest=held.digest,
                     known_deliveries=held.deliveries, presume_fresh=False, under=lease))
             else:
@@ -339,7 +346,7 @@ class Claimer:
         return {
             "lease": lease.name, "worker": self.worker,
             "delivery_tag": json_tag(held.delivery_tag), "queue": held.queue,
-            "exchange": held.extra.get("exchange"), "routing_key": held.extra.get("routing_key"),
+            "exchange": held.exchange, "routing_key": held.routing_key,
             "deliveries": deliveries, "retries": held.retries, "ttl_s": lease.ttl_s,
             "claimed_at": time.time(),
         }

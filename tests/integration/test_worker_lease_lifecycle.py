@@ -2,9 +2,9 @@
 applied in any order, loss at the local deadline while a renewal hangs, renewals bounded by the
 validity left.
 
-The consumer side runs the real ``LeaseStep`` (real store, real keeper threads, real claims);
-only Celery's event loop is replaced by a queue of callbacks the test runs when, and in the
-order, it chooses, so a loss and the re-acquisition after it are both pending at once.
+The worker runs the real ``LeaseStep`` and ``ClaimStep`` (real store, real keeper threads, real
+claims); only Celery's event loop is replaced by a queue of callbacks the test runs when, and in
+the order, it chooses, so a loss and the re-acquisition after it are both pending at once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from celery_crawl.errors import StoreTimeout
 from celery_crawl.leases import open_store
 from celery_crawl.leases.base import Lease, LeaseStore
 from celery_crawl.worker.keeper import Keeper, boottime
-from celery_crawl.worker.steps import LeaseStep
+from celery_crawl.worker.steps import ClaimStep, LeaseStep
 from tests.servers import EtcdServer, RedisServer, wait_until
 from tests.tcpproxy import TcpProxy
 
@@ -78,7 +78,7 @@ class Message:
 
 
 @pytest.fixture
-def step(redis_server: RedisServer) -> Iterator[tuple[LeaseStep, Any, RedisServer]]:
+def step(redis_server: RedisServer) -> Iterator[tuple[ClaimStep, Any, RedisServer]]:
     app = Celery("lifecycle", broker="memory://", set_as_current=False)
     app.conf.update(crawl_lease_url=redis_server.url, crawl_namespace=f"lc{uuid.uuid4().hex[:8]}",
                     crawl_worker_lease_ttl=TTL_S, crawl_store_timeout=1.0)
@@ -86,20 +86,23 @@ def step(redis_server: RedisServer) -> Iterator[tuple[LeaseStep, Any, RedisServe
     worker = SimpleNamespace(app=app, pool_cls="threads", hostname="lc@localhost", hub=hub,
                              pool=None)
     lease_step = LeaseStep(worker)
-    lease_step.start(worker)
     consumer = SimpleNamespace(
-        strategies={}, task_consumer=TaskConsumer(), connection=None, connection_errors=(),
+        controller=worker, strategies={}, task_consumer=TaskConsumer(), connection=None,
+        connection_errors=(),
         timer=SimpleNamespace(call_repeatedly=lambda *a: SimpleNamespace(cancel=lambda: None)),
         on_connection_error_after_connected=lambda exc: None)
-    lease_step.attach(consumer)
+    # As Celery does: both steps are built, then the worker's starts, then the consumer's.
+    claim_step = ClaimStep(consumer)
+    lease_step.start(worker)
+    claim_step.start(consumer)
     try:
-        yield lease_step, consumer, redis_server
+        yield claim_step, consumer, redis_server
     finally:
         signals.worker_shutdown.disconnect(lease_step._on_worker_shutdown)
         lease_step.release()
 
 
-def _deliver(step: LeaseStep, task_id: str, tag: int, started: list[str]) -> Message:
+def _deliver(step: ClaimStep, task_id: str, tag: int, started: list[str]) -> Message:
     """Hand one delivery to the claim strategy, as Celery's consumer does."""
 
     def original(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
@@ -113,19 +116,19 @@ def _deliver(step: LeaseStep, task_id: str, tag: int, started: list[str]) -> Mes
 
 
 def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lease(
-    step: tuple[LeaseStep, Any, RedisServer],
+    step: tuple[ClaimStep, Any, RedisServer],
 ) -> None:
     """The loss of lease 1 and the acquisition of lease 2 reach the loop together and run
     newest first. The worker must end consuming, with the delivery claimed under lease 2 still
     held (its claim alive) and only lease 1's delivery released."""
-    lease_step, consumer, server = step
-    keeper, store = lease_step.keeper, lease_step.store
+    claim_step, consumer, server = step
+    keeper, store = claim_step.keeper, claim_step.store
     assert keeper is not None and store is not None
-    hub: QueuedHub = lease_step.worker.hub
+    hub: QueuedHub = claim_step.worker.hub
     started: list[str] = []
     first = keeper.lease
     assert first is not None
-    old = _deliver(lease_step, "t-old", 1, started)
+    old = _deliver(claim_step, "t-old", 1, started)
     # The decision is made off the loop and applied on it.
     wait_until(lambda: len(hub.pending) == 1, 5.0, what="the decision of t-old reached the loop")
     assert hub.run_reversed() == 1
@@ -138,7 +141,7 @@ def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lea
     assert isinstance(second, Lease) and keeper.losses == 1
     # Lease 2 is held but the loop has not run yet: a new delivery is claimed under lease 2.
     pending = len(hub.pending)
-    new = _deliver(lease_step, "t-new", 2, started)
+    new = _deliver(claim_step, "t-new", 2, started)
     wait_until(lambda: len(hub.pending) == pending + 1, 5.0,
                what="the decision of t-new reached the loop")
     claim = store.claimant(keys.task_claim("t-new"))
@@ -147,33 +150,33 @@ def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lea
     assert hub.run_reversed() >= 3
     assert started == ["t-old", "t-new"]
     assert consumer.task_consumer.consuming, "consumption stayed cancelled under a valid lease"
-    assert lease_step.consuming
-    held = [h.task_id for h in lease_step.book.snapshot()]
+    assert claim_step.consuming
+    held = [h.task_id for h in claim_step.book.snapshot()]
     assert held == ["t-new"], held
     assert old.rejected and not new.rejected
     claim = store.claimant(keys.task_claim("t-new"))
     assert claim is not None and claim.alive
     # Running everything again (a late duplicate notification) changes nothing.
-    hub.call_soon(lease_step._reconcile)
+    hub.call_soon(claim_step._reconcile)
     hub.run_reversed()
-    assert consumer.task_consumer.consuming and [h.task_id for h in lease_step.book.snapshot()] \
+    assert consumer.task_consumer.consuming and [h.task_id for h in claim_step.book.snapshot()] \
         == ["t-new"]
 
 
 def test_a_decision_made_under_a_lease_lost_before_it_reaches_the_loop_does_not_run(
-    step: tuple[LeaseStep, Any, RedisServer],
+    step: tuple[ClaimStep, Any, RedisServer],
 ) -> None:
     """The claim is made off the loop under lease 1; lease 1 is lost (and lease 2 taken) before
     the decision is applied on the loop: the delivery must be released, not run under a claim
     of a dead lease (the reaper owns that claim now)."""
-    lease_step, consumer, server = step
-    keeper, store = lease_step.keeper, lease_step.store
+    claim_step, consumer, server = step
+    keeper, store = claim_step.keeper, claim_step.store
     assert keeper is not None and store is not None
-    hub: QueuedHub = lease_step.worker.hub
+    hub: QueuedHub = claim_step.worker.hub
     started: list[str] = []
     first = keeper.lease
     assert first is not None
-    late = _deliver(lease_step, "t-late", 1, started)
+    late = _deliver(claim_step, "t-late", 1, started)
     wait_until(lambda: len(hub.pending) == 1, 5.0, what="the decision of t-late reached the loop")
     claim = store.claimant(keys.task_claim("t-late"))
     assert claim is not None and claim.lease_name == first.name
@@ -183,7 +186,7 @@ def test_a_decision_made_under_a_lease_lost_before_it_reaches_the_loop_does_not_
     hub.run_reversed()
     assert started == [], "a delivery claimed under a lost lease ran"
     assert late.rejected, "its message was neither run nor released"
-    assert lease_step.book.snapshot() == []
+    assert claim_step.book.snapshot() == []
     assert consumer.task_consumer.consuming
 
 

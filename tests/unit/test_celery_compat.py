@@ -1,0 +1,134 @@
+"""The private Celery and kombu names the package relies on still exist, and only
+``celery_crawl._celery_compat`` touches them.
+
+A Celery or kombu upgrade that removes or renames one of them fails here, by name, instead of
+somewhere in a worker at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.backends.redis import RedisBackend
+from celery.contrib.testing.mocks import TaskMessage
+from celery.worker.request import Request
+
+import celery_crawl
+from celery_crawl import _celery_compat as compat
+from celery_crawl.backends.audited import AuditedRedisBackend
+
+PACKAGE = Path(celery_crawl.__file__).parent
+COMPAT = PACKAGE / "_celery_compat.py"
+DECLARED = {name for names in compat.PRIVATE_NAMES.values() for name in names}
+DECLARED |= set(compat.BACKEND_OVERRIDES)
+
+
+def _class(spec: str) -> type:
+    module, _, name = spec.partition(":")
+    cls: type = getattr(importlib.import_module(module), name)
+    return cls
+
+
+@functools.cache
+def _instance(spec: str) -> Any:
+    """A real object of the class, for names Celery sets in ``__init__``."""
+    if spec == "celery.app.base:Celery":
+        return Celery("compat", set_as_current=False)
+    if spec == "celery.worker.request:Request":
+        app = Celery("compat", set_as_current=False)
+
+        @app.task(name="celery_crawl_compat_test.noop")
+        def noop() -> None:
+            return None
+
+        return Request(TaskMessage("celery_crawl_compat_test.noop"), app=app)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [(spec, name) for spec, names in compat.PRIVATE_NAMES.items() for name in names])
+def test_private_name_exists(spec: str, name: str) -> None:
+    cls = _class(spec)
+    obj = _instance(spec)
+    assert hasattr(cls, name) or (obj is not None and hasattr(obj, name)), (
+        f"{spec} has no {name} any more: update celery_crawl/_celery_compat.py")
+
+
+def test_request_message_is_the_message_it_was_built_from() -> None:
+    req = _instance("celery.worker.request:Request")
+    assert compat.request_message(req) is req._message
+
+
+@pytest.mark.parametrize("name", compat.BACKEND_OVERRIDES)
+def test_backend_override_overrides_a_base_method(name: str) -> None:
+    assert callable(getattr(RedisBackend, name, None)), f"RedisBackend has no {name} any more"
+    assert name in vars(AuditedRedisBackend), f"AuditedRedisBackend does not override {name}"
+
+
+def test_every_private_override_of_the_backend_is_declared() -> None:
+    overridden = {name for name in vars(AuditedRedisBackend)
+                  if name.startswith("_") and not name.startswith("__")
+                  and hasattr(RedisBackend, name)}
+    assert overridden <= set(compat.BACKEND_OVERRIDES)
+
+
+def test_the_checked_versions_are_named() -> None:
+    doc = (compat.__doc__ or "").lower()
+    for package, version in compat.CHECKED_AGAINST.items():
+        assert f"{package} {version}" in doc
+
+
+def _enclosing_functions(tree: ast.AST) -> dict[int, str]:
+    owner: dict[int, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for inner in ast.walk(node):
+                owner[id(inner)] = node.name  # innermost wins: walk visits outer first
+    return owner
+
+
+def _is_super_call(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "super")
+
+
+def uses_outside_compat(path: Path) -> list[str]:
+    """Where ``path`` touches a declared private name: an attribute, a ``getattr`` string, or a
+    method of that name that is not a declared override."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    owner = _enclosing_functions(tree)
+    found = []
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Attribute) and node.attr in DECLARED:
+            # An override extending its base (``super()._create_client(...)`` in
+            # ``_create_client``) is the one allowed use.
+            if not (_is_super_call(node.value) and owner.get(id(node)) == node.attr
+                    and node.attr in compat.BACKEND_OVERRIDES):
+                found.append(f"{where}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and node.value in DECLARED:
+            found.append(f"{where}: {node.value!r}")
+        elif (isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in DECLARED
+              and node.name not in compat.BACKEND_OVERRIDES):
+            found.append(f"{where}: def {node.name}")
+    return found
+
+
+def test_no_module_but_the_compat_module_touches_a_private_name() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == COMPAT or "_etcdpb" in path.parts:
+            continue
+        found.extend(uses_outside_compat(path))
+    assert not found, "private Celery/kombu names outside _celery_compat.py:\n" + "\n".join(found)
+
+
+def test_the_check_sees_a_private_name() -> None:
+    assert uses_outside_compat(COMPAT), "the walk finds nothing even in the compat module"
