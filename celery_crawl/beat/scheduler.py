@@ -112,7 +112,7 @@ class LeasedScheduler(Scheduler):
                               max_skew_s=self.config.max_clock_skew_s,
                               store_timeout_s=self.config.store_timeout_s,
                               demoted=term.ended, replica_id=self.replica_id)
-        self._book = StateBook(store, self.election, refused=term.demote)
+        self._book = StateBook(store, self.election, refused=term.fenced_out)
         self._dispatch = Dispatcher(store, self.election, self._book, now=self._now,
                                     renew=term.renew, publish=self._publish,
                                     revoke=self._revoke)

@@ -119,6 +119,18 @@ class Term:
         if not self.election.is_leader:
             raise LeaseLost("the lease was lost during a long step of the beat loop")
 
+    def fenced_out(self, reason: str) -> None:
+        """The store refused a fenced write: the lease is gone (another leader holds it), found
+        by the write before the next renewal would have found it. Counted as that renewal's
+        ``lease_lost`` and observed as a loss, so the SLIs do not depend on which call came
+        first."""
+        held = self.election.lease
+        if held is not None:
+            metrics.LEASE_RENEWALS.labels(ROLE, "lost").inc()
+            metrics.renewal_failed(ROLE, LeaseLost(reason))
+            metrics.lease_ended(ROLE, held.valid_until, monotonic())
+        self.demote(reason)
+
     def demote(self, reason: str, *, release: bool = False) -> None:
         lease = self.election.lease
         self.election.demote()

@@ -151,3 +151,39 @@ def test_a_beat_leader_records_the_cause_and_the_deviation(fresh_redis: RedisSer
         assert count - count0 == 1 and total - sum0 < 0
     finally:
         sched.close()
+
+
+def test_a_lease_found_gone_by_a_state_write_counts_as_lost(fresh_redis: RedisServer) -> None:
+    """The leader learns that its lease is gone from whichever store call comes first; when a
+    fenced state write is refused before the next renewal, the loss is still counted
+    (``lease_lost``) and its hold deviation observed, as a renewal would have."""
+    from celery_crawl.beat import LeasedScheduler
+    from tests.integration.test_beat_scheduler import EVERY_SECOND, make_app, run_for
+
+    def lost() -> float:
+        return float(metrics.LEASE_RENEWAL_FAILURES.labels("beat", "lease_lost")._value.get())
+
+    def deviations() -> float:
+        return sum(s.value for m in metrics.LEASE_HOLD_DEVIATION.collect() for s in m.samples
+                   if s.labels.get("role") == "beat"
+                   and s.name == "crawl_lease_hold_deviation_seconds_count")
+
+    ns = f"slic{uuid.uuid4().hex[:6]}"
+    sched = LeasedScheduler(make_app(fresh_redis, ns, {
+        "tick": {"task": "t.record", "schedule": EVERY_SECOND}}))
+    try:
+        run_for([sched], 1.0)
+        lease = sched.election.lease
+        assert lease is not None and sched.election.is_leader
+        lost0, dev0 = lost(), deviations()
+        other = open_store(fresh_redis.url_db(0), namespace=ns, timeout_s=2.0)
+        other.release(lease)
+        other.close()
+        assert sched._book is not None
+        sched._book.queue("tick")
+        sched._book.flush()  # the write comes first: refused, fenced by the lost lease
+        assert not sched.election.is_leader
+        assert lost() - lost0 == 1
+        assert deviations() - dev0 == 1
+    finally:
+        sched.close()
