@@ -96,6 +96,8 @@ class ClaimStep(bootsteps.StartStopStep):
         self._loop_running = False
         #: The consumer timer's entry re-checking parked deliveries (between start and stop).
         self._recheck_entry: Any = None
+        #: A periodic re-check of parked deliveries is out on the offload thread.
+        self._rechecking = False
 
     # -- what the worker step holds ----------------------------------------------------------
     @property
@@ -191,9 +193,22 @@ class ClaimStep(bootsteps.StartStopStep):
                 continue
             self.book.pop(held)
             dropped.append(held)
-        if not everything and self.broker is not None and dropped:
-            # The old channel could not restore its unacked messages (its connection is gone);
-            # on Redis they would wait for the visibility timeout. Idempotent if it did.
+        metrics.WORKER_CLAIMS.set(len(self.book))
+        if not dropped:
+            return
+        if everything:
+            self._give_back(dropped, restore=False)
+        else:
+            # A reconnection: the consumer's loop is about to run; the store and broker calls
+            # go to the offload thread.
+            self._offload.submit(functools.partial(self._give_back, dropped, restore=True))
+
+    def _give_back(self, dropped: list[Held], *, restore: bool) -> None:
+        """Drop the claims of deliveries that will not run here (and, after a reconnection,
+        restore their messages: the old channel could not, its connection is gone; on Redis
+        they would wait for the visibility timeout. Idempotent if it did)."""
+        assert self.claimer is not None
+        if restore and self.broker is not None:
             try:
                 self.broker.restore([h.delivery_tag for h in dropped])
             except Exception as exc:
@@ -203,7 +218,6 @@ class ClaimStep(bootsteps.StartStopStep):
             if not held.parked and held.token is not None:
                 with contextlib.suppress(StoreError, LeaseLost):
                     self.claimer.drop(held)
-        metrics.WORKER_CLAIMS.set(len(self.book))
 
     def _will_run(self, held: Held) -> bool:
         req = worker_state.requests.get(held.task_id)
@@ -306,7 +320,8 @@ class ClaimStep(bootsteps.StartStopStep):
         return [functools.partial(self._apply_later, held, decision, lease)
                 for held, decision in zip(helds, decisions, strict=True)]
 
-    def _apply_later(self, held: Held, decision: Decision, claimed_under: Lease | None) -> None:
+    def _apply_later(self, held: Held, decision: Decision, claimed_under: Lease | None, *,
+                     first: bool = True) -> None:
         """Apply a decision made off the loop, unless the world changed while it was made: the
         consumer was rebuilt (Celery dropped the reserved deliveries of the old connection) or
         the lease the claim was made under is no longer the current one."""
@@ -334,7 +349,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 return
         consumer: Any = self.consumer
         try:
-            self._apply(held, decision, claimed_under, first=True)
+            self._apply(held, decision, claimed_under, first=first)
         except (InvalidTaskError, ContentDisallowed) as exc:
             # What Celery's on_task_received does when the strategy raises these.
             consumer.on_invalid_task(None, held.message, exc)
@@ -398,9 +413,14 @@ class ClaimStep(bootsteps.StartStopStep):
             self.book.add(held)
             if first:
                 metrics.WORKER_DUPLICATES_PARKED.labels("parked").inc()
-                logger.warning("celery-crawl: %s[%s] is claimed by live worker %s; parked "
-                               "(not run, not acked) until that claim ends",
-                               held.task_name, held.task_id, decision.holder)
+                own = self.keeper is not None and decision.holder == self.keeper.holder
+                # Our own claim: a retry or replacement received while the run that published
+                # it is still ending here (Celery's normal course, not a fault worth a warning).
+                logger.log(logging.INFO if own else logging.WARNING,
+                           "celery-crawl: %s[%s] is claimed by live worker %s%s; parked "
+                           "(not run, not acked) until that claim ends",
+                           held.task_name, held.task_id, decision.holder,
+                           " (this worker)" if own else "")
         else:
             # ``claimed_under``: the lease the claim was made under (the keeper may hold a newer
             # one by now).
@@ -458,9 +478,11 @@ class ClaimStep(bootsteps.StartStopStep):
             # invalid task): it rejects it outside our callbacks, so the claim goes here.
             if self.book.pop(held) is not None:
                 metrics.WORKER_CLAIMS.set(len(self.book))
-                assert self.claimer is not None
-                with contextlib.suppress(StoreError, LeaseLost):
-                    self.claimer.drop(held)
+                if self._offloading():
+                    self._offload.submit(functools.partial(self._give_back, [held],
+                                                           restore=False))
+                else:
+                    self._give_back([held], restore=False)
             raise
 
     def _lease_valid_for(self, held: Held) -> bool:
@@ -468,19 +490,28 @@ class ClaimStep(bootsteps.StartStopStep):
         return lease is not None and lease.name == held.lease_name
 
     def _complete_stale(self, held: Held, state: str, requeue: bool,
-                        settle: Callable[[], Any]) -> None:
+                        settle: Callable[[], Any]) -> Any:
         """A task ended after its claim's lease was lost (noticed before the loss handler ran).
 
         If the claim is still ours (nobody reaped it) the run counts: settle the message and
         record the end. If it was reaped, the Redis delivery tag may already belong to the
         redelivered copy running elsewhere, so the message is only forgotten locally (acking it
         would delete the other worker's unacked entry); RabbitMQ knows whether the delivery is
-        still ours, so it is settled normally.
+        still ours, so it is settled normally. The store calls run off the consumer's loop.
         """
         self.book.pop(held)
         held.handoff = finishing.handed_off(held.task_id)
         finishing.clear(held.task_id)
         held.fenced = True
+        if self._offloading():
+            self._offload.submit(
+                functools.partial(self._stale_end, held, state, requeue, settle))
+            return None
+        return self._stale_end(held, state, requeue, settle)()
+
+    def _stale_end(self, held: Held, state: str, requeue: bool,
+                   settle: Callable[[], Any]) -> Callable[[], Any]:
+        """The store part of ``_complete_stale``; returns what to do with the message."""
         assert self.store is not None and self.claimer is not None
         ours: bool | None
         try:
@@ -494,11 +525,10 @@ class ClaimStep(bootsteps.StartStopStep):
         if ours:
             with contextlib.suppress(StoreError, LeaseLost):
                 self.claimer.finish(held, state=state, requeue=requeue)
-            settle()
-        elif ours is None or (self.broker is not None and self.broker.kind != "redis"):
-            settle()
-        else:
-            self._release(held, "claim taken over", requeue=False)
+            return settle
+        if ours is None or (self.broker is not None and self.broker.kind != "redis"):
+            return settle
+        return functools.partial(self._release, held, "claim taken over", requeue=False)
 
     def _complete_later(self, held: Held, state: str, requeue: bool,
                         settle: Callable[[], Any]) -> None:
@@ -564,8 +594,14 @@ class ClaimStep(bootsteps.StartStopStep):
                 self._in_loop(self._decide_if_parked, other)
 
     def _decide_if_parked(self, held: Held) -> None:
-        if held.parked and not held.fenced and any(h is held for h in self.book.snapshot()):
-            self._decide(held)
+        if held.parked and not held.fenced and self._holds(held):
+            if self._offloading():
+                self._offload.submit(functools.partial(self._recheck_off_loop, [held]))
+            else:
+                self._decide(held)
+
+    def _holds(self, held: Held) -> bool:
+        return any(h is held for h in self.book.snapshot())
 
     def _defer(self, held: Held, state: str, requeue: bool) -> None:
         self.backlog.add(held, state, requeue)
@@ -581,7 +617,16 @@ class ClaimStep(bootsteps.StartStopStep):
         _settler(held, ack, (logger, getattr(consumer, "connection_errors", ())), {})()
 
     def _poison(self, held: Held) -> None:
-        """End a task delivered ``crawl_max_deliveries`` times as FAILURE, without running it."""
+        """End a task delivered ``crawl_max_deliveries`` times as FAILURE, without running it.
+
+        Its hook and result write and the record of its end are store and backend calls: off
+        the consumer's loop when it runs; the ack follows on the loop."""
+        if self._offloading():
+            self._offload.submit(functools.partial(self._poison_off_loop, held))
+        else:
+            self._poison_off_loop(held)()
+
+    def _poison_off_loop(self, held: Held) -> Callable[[], None]:
         name = held.task_name
         task = self.app.tasks.get(name)
         message = held.message
@@ -622,12 +667,53 @@ class ClaimStep(bootsteps.StartStopStep):
                 logger.exception("celery-crawl: storing the poison FAILURE of %s failed",
                                  held.task_id)
         self._complete(held, "FAILURE", requeue=False)
-        self._call_ack(held)
+        return functools.partial(_settle_unless_fenced, held,
+                                 functools.partial(self._call_ack, held))
 
     def _recheck_parked(self) -> None:
-        for held in self.book.snapshot():
-            if held.parked and not held.fenced:
+        """Consumer timer: look again at the parked deliveries (their claimant may have died
+        or ended). The reads go to the offload thread; the decisions are applied on the loop."""
+        parked = [h for h in self.book.snapshot() if h.parked and not h.fenced]
+        if not parked:
+            return
+        if not self._offloading():
+            for held in parked:
                 self._decide(held)
+            return
+        if self._rechecking:  # the last one is still out (a slow store): no pile-up
+            return
+        self._rechecking = True
+        self._offload.submit(functools.partial(self._recheck_off_loop, parked, periodic=True))
+
+    def _recheck_off_loop(self, parked: list[Held], *,
+                          periodic: bool = False) -> Callable[[], None]:
+        """Offload thread: the store part of each parked delivery's decision."""
+        try:
+            decided = [(held, *self._decision_for(held)) for held in parked]
+        except BaseException:
+            if periodic:
+                self._rechecking = False
+            raise
+
+        def apply() -> None:
+            if periodic:
+                self._rechecking = False
+            for held, decision, claimed_under in decided:
+                self._apply_recheck(held, decision, claimed_under)
+
+        return apply
+
+    def _apply_recheck(self, held: Held, decision: Decision,
+                       claimed_under: Lease | None) -> None:
+        """Loop: apply a parked delivery's decision made off the loop, if it is still parked
+        here; a claim made meanwhile for a delivery that is gone (released on a lease loss, or
+        dropped on a reconnection) is given back."""
+        if held.parked and not held.fenced and self._holds(held):
+            self._apply_later(held, decision, claimed_under, first=False)
+        elif decision.outcome in (Outcome.RUN, Outcome.POISON):
+            held.token = decision.token
+            held.parked = False
+            self._offload.submit(functools.partial(self._give_back, [held], restore=False))
 
     # -- lease loss / regain ---------------------------------------------------------------
     def _in_loop(self, fn: Callable[..., None], *args: Any) -> None:

@@ -251,3 +251,102 @@ def test_loss_is_declared_at_the_deadline_while_a_renewal_hangs(
     finally:
         proxy.passthrough()
         keeper.stop(release=False)
+
+
+# -- no store call on the consumer's loop ----------------------------------------------------
+
+
+class ThreadLog:
+    """The store as the claimer uses it, recording which thread made each call."""
+
+    def __init__(self, store: LeaseStore) -> None:
+        self._store = store
+        self.calls: list[tuple[str, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, threading.get_ident()))
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _run_pending(hub: QueuedHub, n: int, what: str) -> None:
+    wait_until(lambda: len(hub.pending) >= n, 5.0, what=what)
+    hub.run_reversed()
+
+
+def test_a_parked_recheck_reads_the_store_off_the_loop(
+    step: tuple[ClaimStep, Any, RedisServer],
+) -> None:
+    """The consumer's timer re-checks parked deliveries; with a slow or frozen store, a read on
+    the loop would stall every other message for up to the store timeout per parked delivery.
+    The reads go to the offload thread and the decision comes back to the loop."""
+    claim_step, _, _ = step
+    hub: QueuedHub = claim_step.worker.hub
+    started: list[str] = []
+    _deliver(claim_step, "t-busy", 1, started)
+    _run_pending(hub, 1, "the first delivery's decision")
+    assert started == ["t-busy"]  # claimed, running (never acked here)
+    _deliver(claim_step, "t-busy", 2, started)  # a copy: parks behind the live claim
+    _run_pending(hub, 1, "the copy's decision")
+    assert [h.parked for h in claim_step.book.snapshot()] == [False, True]
+    assert claim_step.claimer is not None
+    log = ThreadLog(claim_step.claimer.store)
+    claim_step.claimer.store = log  # type: ignore[assignment]
+    loop = threading.get_ident()
+    claim_step._recheck_parked()
+    claim_step._recheck_parked()  # a second tick while the first is out asks nothing more
+    assert not [c for c in log.calls if c[1] == loop], log.calls
+    _run_pending(hub, 1, "the re-check's decision")
+    assert log.calls and not [c for c in log.calls if c[1] == loop], log.calls
+    assert [h.parked for h in claim_step.book.snapshot()] == [False, True]
+    assert started == ["t-busy"]
+    # The next tick re-checks again (the first one came back).
+    before = len(log.calls)
+    claim_step._recheck_parked()
+    _run_pending(hub, 1, "the next re-check's decision")
+    assert len(log.calls) > before and not [c for c in log.calls if c[1] == loop]
+
+
+def test_a_run_ending_after_its_lease_was_lost_is_checked_off_the_loop(
+    step: tuple[ClaimStep, Any, RedisServer],
+) -> None:
+    """A task ends after the worker lost the lease its claim was made under, before the loss
+    reached the loop: whether the claim is still ours is a store read, made off the loop; the
+    message is settled on the loop once it is known."""
+    claim_step, _, server = step
+    keeper, store = claim_step.keeper, claim_step.store
+    assert keeper is not None and store is not None and claim_step.claimer is not None
+    hub: QueuedHub = claim_step.worker.hub
+    acks: list[Callable[..., Any]] = []
+    settled: list[str] = []
+
+    def original(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
+                 **kw: Any) -> None:
+        acks.append(ack)
+
+    strategy = claim_step._wrap("crawltest.work", original)
+    strategy(Message("t-stale", 1), None, lambda *a, **k: settled.append("ack"),
+             lambda *a, **k: settled.append("reject"), None)
+    _run_pending(hub, 1, "the decision")
+    assert len(acks) == 1
+    first = keeper.lease
+    assert first is not None
+    assert server.client().delete(f"{store.namespace}:lease:{first.name}") == 1
+    wait_until(lambda: (lease := keeper.lease) is not None and lease.name != first.name,
+               5 * TTL_S, what="the keeper lost lease 1 and holds lease 2")
+    log = ThreadLog(claim_step.claimer.store)
+    claim_step.claimer.store = log  # type: ignore[assignment]
+    claim_step.lease_step.store = log  # type: ignore[assignment]
+    loop = threading.get_ident()
+    pending = len(hub.pending)  # the loss and the new lease, not applied on the loop yet
+    acks[0]()  # the pool reports the end, on the loop
+    assert settled == [] and not [c for c in log.calls if c[1] == loop], log.calls
+    _run_pending(hub, pending + 1, "the stale end's follow-up")
+    assert log.calls and not [c for c in log.calls if c[1] == loop], (log.calls, settled)
+    assert settled == ["ack"]  # the claim was still ours: the run counts
