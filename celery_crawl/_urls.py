@@ -18,11 +18,12 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from .errors import ConfigError
 
-__all__ = ["LEASE_SCHEMES", "endpoint", "masked_url", "query_options", "split_credentials"]
+__all__ = ["LEASE_SCHEMES", "REDIS_LEASE_SCHEMES", "endpoint", "masked_url", "query_options",
+           "split_credentials"]
 
 #: The schemes ``crawl_lease_url`` accepts (``memory://`` is for tests: ``open_store`` only).
-LEASE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "etcd", "etcd+https",
-                 "etcd+http")
+REDIS_LEASE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+LEASE_SCHEMES = (*REDIS_LEASE_SCHEMES, "etcd", "etcd+https", "etcd+http")
 
 _SECRET_OPTIONS = re.compile(r"(?i)([?&](?:password|passwd|pass|token|secret)=)[^&#]*")
 

@@ -16,7 +16,7 @@ from typing import Any
 from .. import keys, metrics
 from ..clock import monotonic
 from ..errors import CrawlError, FencedError, LeaseError, LeaseLost, StoreError
-from ..leases.base import LeaseStore
+from ..leases.base import Lease, LeaseStore
 from .election import Action, Election
 
 __all__ = ["PRESENCE_TTLS", "ROLE", "Term"]
@@ -92,9 +92,7 @@ class Term:
         try:
             lease = self.store.renew(held)
         except LeaseLost as exc:
-            metrics.LEASE_RENEWALS.labels(ROLE, "lost").inc()
-            metrics.renewal_failed(ROLE, exc)
-            metrics.lease_ended(ROLE, held.valid_until, monotonic())
+            self._record_loss(held, exc)
             self.demote(f"lease lost: {exc}")
             return
         except StoreError as exc:
@@ -126,10 +124,14 @@ class Term:
         first."""
         held = self.election.lease
         if held is not None:
-            metrics.LEASE_RENEWALS.labels(ROLE, "lost").inc()
-            metrics.renewal_failed(ROLE, LeaseLost(reason))
-            metrics.lease_ended(ROLE, held.valid_until, monotonic())
+            self._record_loss(held, LeaseLost(reason))
         self.demote(reason)
+
+    @staticmethod
+    def _record_loss(held: Lease, exc: LeaseLost) -> None:
+        metrics.LEASE_RENEWALS.labels(ROLE, "lost").inc()
+        metrics.renewal_failed(ROLE, exc)
+        metrics.lease_ended(ROLE, held.valid_until, monotonic())
 
     def demote(self, reason: str, *, release: bool = False) -> None:
         lease = self.election.lease

@@ -18,7 +18,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING
 
-from .._urls import LEASE_SCHEMES
+from .._urls import LEASE_SCHEMES, REDIS_LEASE_SCHEMES
 from .._urls import masked_url as mask_url
 from ..errors import ConfigError
 from .base import (
@@ -65,7 +65,6 @@ def make_holder() -> str:
 # importing one driver module at once can meet importlib's deadlock guard and one of them gets
 # the module half initialized. One lock makes the first import of each driver whole.
 _DRIVER_IMPORT = threading.Lock()
-_REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 
 
 def driver_class(url: str) -> type[LeaseStore]:
@@ -85,7 +84,7 @@ def driver_class(url: str) -> type[LeaseStore]:
             from .memory import MemoryLeaseStore
 
             return MemoryLeaseStore
-        if scheme in _REDIS_SCHEMES:
+        if scheme in REDIS_LEASE_SCHEMES:
             from .redis import RedisLeaseStore
 
             return RedisLeaseStore
@@ -111,7 +110,7 @@ def open_store(url: str, *, namespace: str, timeout_s: float = 2.0,
     """
     cls = driver_class(url)
     scheme = url.split("://", 1)[0]
-    if scheme in _REDIS_SCHEMES:
+    if scheme in REDIS_LEASE_SCHEMES:
         return cls(url, namespace=namespace, timeout_s=timeout_s,  # type: ignore[call-arg]
                    redis_wait_replicas=redis_wait_replicas)
     if redis_wait_replicas:

@@ -21,6 +21,7 @@ the store for a lease change).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -710,10 +711,10 @@ class ClaimStep(bootsteps.StartStopStep):
         dropped on a reconnection) is given back."""
         if held.parked and not held.fenced and self._holds(held):
             self._apply_later(held, decision, claimed_under, first=False)
-        elif decision.outcome in (Outcome.RUN, Outcome.POISON):
-            held.token = decision.token
-            held.parked = False
-            self._offload.submit(functools.partial(self._give_back, [held], restore=False))
+        elif decision.outcome in (Outcome.RUN, Outcome.POISON) and not self._holds(held):
+            # A copy: the hold itself is settled (released or dropped) and may be read still.
+            gone = dataclasses.replace(held, token=decision.token, parked=False)
+            self._offload.submit(functools.partial(self._give_back, [gone], restore=False))
 
     # -- lease loss / regain ---------------------------------------------------------------
     def _in_loop(self, fn: Callable[..., None], *args: Any) -> None:
