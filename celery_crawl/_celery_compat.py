@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = [
@@ -31,9 +32,11 @@ __all__ = [
     "guard_connection_close",
     "max_value_size",
     "priority_queue_key",
+    "redis_channel_server",
     "request_message",
     "restore_unacked",
     "result_meta",
+    "ride_redis_acks",
     "task_registry",
     "threads_pool_future",
 ]
@@ -50,7 +53,10 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "celery.worker.request:Request": (
         "_message", "_apply_result", "_already_cancelled", "_eta_timer_entry"),
     "kombu.message:Message": ("_state",),
+    "kombu.transport.virtual.base:Message": ("_raw",),
     "kombu.transport.redis:Channel": ("_q_for_pri",),
+    "kombu.transport.redis:QoS": (
+        "pipe_or_acquire", "_remove_from_indices", "unacked_key", "unacked_index_key"),
     "celery.backends.redis:RedisBackend": (
         "_fail_chain", "_call_task_errbacks", "_get_result_meta", "_MAX_STR_VALUE_SIZE"),
 }
@@ -63,6 +69,12 @@ BACKEND_OVERRIDES: tuple[str, ...] = (
 
 # Our own marker on a consumer whose connection close is guarded (see guard_connection_close).
 _CLOSE_GUARD = "_crawl_close_guard"
+# Our own marker on a Redis channel's QoS whose appends and acks carry extra commands.
+_RIDE_MARK = "_crawl_ride"
+
+#: Commands to send in a broker round trip, and what to do with their replies (None: the round
+#: trip failed and its error is being raised).
+Ride = tuple[list[tuple[Any, ...]], Callable[[list[Any] | None], None]]
 
 
 # -- app and tasks ---------------------------------------------------------------------------
@@ -142,6 +154,88 @@ def restore_unacked(chan: Any, tag: Any, *, leftmost: bool) -> None:
     """Put one unacked Redis delivery back on its queue (kombu's ``QoS.restore_by_tag``, an
     undocumented method; atomic and idempotent)."""
     chan.qos.restore_by_tag(tag, leftmost=leftmost)
+
+
+def redis_channel_server(channel: Any) -> dict[str, Any] | None:
+    """Where the client of a kombu Redis channel connects (``host``, ``port``, ``db``,
+    ``path``); None for another transport, a channel with a ``global_keyprefix`` (kombu would
+    prefix the keys of commands sent in its pipelines), or a client not bound to one server."""
+    transport = getattr(channel, "connection", None)
+    if getattr(transport, "driver_type", None) != "redis":
+        return None
+    if getattr(channel, "global_keyprefix", ""):
+        return None
+    try:
+        kwargs = channel.client.connection_pool.connection_kwargs
+    except Exception:  # a transport variant without a plain connection pool
+        return None
+    if not isinstance(kwargs, Mapping) or not (kwargs.get("host") or kwargs.get("path")):
+        return None
+    return {k: kwargs.get(k) for k in ("host", "port", "db", "path")}
+
+
+def ride_redis_acks(channel: Any, on_append: Callable[[Any], Ride | None],
+                    on_ack: Callable[[Any], Ride | None]) -> None:
+    """Let the commands ``on_append(message)`` and ``on_ack(delivery_tag)`` return travel in
+    the MULTI/EXEC round trip kombu's Redis ``QoS`` already makes when it records a message as
+    unacked and when it acks one (``QoS.append`` and ``QoS.ack`` of kombu 5.7, re-done here
+    with the extra commands: before the ack's own, after the append's). Their replies go to
+    the ride's callback, also when the round trip fails (None), before kombu's error is
+    raised. A hook returning None leaves that call exactly as kombu makes it."""
+    qos = channel.qos
+    if getattr(qos, _RIDE_MARK, False):
+        return
+    from kombu.transport.virtual.base import QoS as VirtualQoS
+    from kombu.utils.json import dumps
+
+    plain_append, plain_ack = qos.append, qos.ack
+
+    def append(message: Any, delivery_tag: Any) -> None:
+        ride = on_append(message)
+        if ride is None:
+            plain_append(message, delivery_tag)
+            return
+        commands, after = ride
+        replies: list[Any] | None = None
+        info = message.delivery_info
+        try:
+            with qos.pipe_or_acquire() as pipe:
+                pipe.zadd(qos.unacked_index_key, {delivery_tag: time.time()})
+                pipe.hset(qos.unacked_key, delivery_tag,
+                          dumps([message._raw, info["exchange"], info["routing_key"]]))
+                for command in commands:
+                    pipe.execute_command(*command)
+                replies = pipe.execute(raise_on_error=False)
+        finally:
+            after(replies[2:] if replies is not None else None)
+        for reply in replies[:2]:
+            if isinstance(reply, Exception):
+                raise reply
+        VirtualQoS.append(qos, message, delivery_tag)
+
+    def ack(delivery_tag: Any) -> None:
+        ride = on_ack(delivery_tag)
+        if ride is None:
+            plain_ack(delivery_tag)
+            return
+        commands, after = ride
+        n = len(commands)
+        replies: list[Any] | None = None
+        try:
+            with qos.pipe_or_acquire() as pipe:
+                for command in commands:
+                    pipe.execute_command(*command)
+                qos._remove_from_indices(delivery_tag, pipe)
+                replies = pipe.execute(raise_on_error=False)
+        finally:
+            after(replies[:n] if replies is not None else None)
+        for reply in replies[n:]:
+            if isinstance(reply, Exception):
+                raise reply
+        VirtualQoS.ack(qos, delivery_tag)
+
+    qos.append, qos.ack = append, ack
+    setattr(qos, _RIDE_MARK, True)
 
 
 def guard_connection_close(c: Any) -> None:

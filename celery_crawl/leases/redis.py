@@ -640,6 +640,83 @@ class RedisLeaseStore(StoreDriver):
         return [r if isinstance(r, CrawlError) else bool(r)
                 for r in self._eval_batch("finish", calls)]
 
+    # -- script calls sent in another client's round trip ---------------------------------
+    def shares_server(self, where: Mapping[str, Any]) -> bool:
+        """Whether a redis-py client connecting to ``where`` (its ``host``, ``port``, ``db``,
+        ``path``) reaches this store's server and database, so a script call can ride in that
+        client's own round trips (``claim_command``, ``finish_command``). Never on a cluster
+        (the namespace's master may move) nor with ``redis_wait_replicas`` (the ``WAIT`` must
+        follow the write on the same connection)."""
+        if self.cluster or self.wait_replicas > 0:
+            return False
+        mine = self._redis.connection_pool.connection_kwargs
+
+        def spot(kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+            host = kwargs.get("host")
+            host = "127.0.0.1" if host in ("localhost", "::1") else host
+            return (host, int(kwargs.get("port") or 6379) if kwargs.get("path") is None
+                    else None, int(kwargs.get("db") or 0), kwargs.get("path"))
+
+        return spot(mine) == spot(where)
+
+    def _sha(self, name: str) -> str:
+        script = self._scripts[name]
+        if script.sha is None:
+            with self._translate("SCRIPT LOAD"):
+                self._load_all()
+        return script.sha or ""
+
+    def _ridden(self, name: str, reply: Any) -> Any:
+        """A ridden call's reply, its error translated (a NOSCRIPT reply makes the next call
+        load the scripts again)."""
+        if isinstance(reply, NoScriptError):
+            for each in self._scripts.values():
+                each.sha = None
+        if isinstance(reply, Exception):
+            try:
+                with self._translate(name):
+                    raise reply
+            except CrawlError as exc:
+                return exc
+        return reply
+
+    def claim_command(self, lease: Lease, key: str, value: Mapping[str, Any],
+                      guarded: Sequence[tuple[str, str]]
+                      ) -> tuple[tuple[Any, ...], Callable[[Any], int | CrawlError | None]]:
+        """``claim_unless_changed`` as a command for another client's pipeline to this server
+        (``shares_server``), and what its reply means: the token, None (held by a live
+        claim), or the error. A reply that needs the previous claimant's lease keys declared
+        is ``RecordChanged``: the caller decides that delivery by reading first."""
+        keys, args = self._claim_unless_args(lease, key, value, guarded)
+        command = ("EVALSHA", self._sha("claim_unless"), len(keys), *keys, *args)
+
+        def outcome(reply: Any) -> int | CrawlError | None:
+            got = self._ridden("claim_unless", reply)
+            if isinstance(got, CrawlError):
+                return got
+            if int(got[0]) == -2:
+                return RecordChanged(f"{self.url}: claim of {key!r} is held under another "
+                                     f"lease; read it first")
+            return self._claim_unless_outcome(lease, key, guarded, got)
+
+        return command, outcome
+
+    def finish_command(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
+                       ttl_s: float) -> tuple[tuple[Any, ...], Callable[[Any], CrawlError | None]]:
+        """``finish_claim`` as a command for another client's pipeline to this server, and
+        what its reply means (None when recorded, else the error)."""
+        keys = [self._k("rec", record), self._k("claim", key), self._k("claims-of", lease.name),
+                self._index_key]
+        args = [_dumps(value, record), self._ttl_ms(ttl_s, "ttl_s"), lease.name, lease.holder,
+                lease.token]
+        command = ("EVALSHA", self._sha("finish"), len(keys), *keys, *args)
+
+        def outcome(reply: Any) -> CrawlError | None:
+            got = self._ridden("finish", reply)
+            return got if isinstance(got, CrawlError) else None
+
+        return command, outcome
+
     def _claims_from(self, flat: Sequence[Any], *, strict: bool) -> list[Claim]:
         """Claims from a script's flat reply. Foreign data raises ``StoreDataError`` naming the
         key when ``strict``; otherwise it is logged and skipped, so one forged entry cannot

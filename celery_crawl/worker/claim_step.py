@@ -42,15 +42,26 @@ from .. import keys, metrics
 from ..config import CrawlConfig
 from ..errors import LeaseLost, PoisonMessage, StoreError
 from ..leases.base import Lease, LeaseStore
+from ..leases.redis import RedisLeaseStore
 from . import finishing
 from .backlog import Backlog
 from .broker import BrokerOps
-from .claims import ClaimBook, Claimer, Decision, Held, Outcome, lenient_int, message_digest
+from .claims import (
+    ClaimBook,
+    Claimer,
+    Decision,
+    Held,
+    Outcome,
+    json_tag,
+    lenient_int,
+    message_digest,
+)
 from .context import CLAIM_HEADER
 from .delivery import Delivery
 from .keeper import Keeper
 from .lease_step import LeaseStep
 from .offload import Offloader
+from .riding import Riding
 
 __all__ = ["ClaimStep"]
 
@@ -99,6 +110,9 @@ class ClaimStep(bootsteps.StartStopStep):
         self._recheck_entry: Any = None
         #: A periodic re-check of parked deliveries is out on the offload thread.
         self._rechecking = False
+        #: Claims and ends riding in the current channel's own round trips (``riding.py``);
+        #: None when the lease store is not the broker's Redis server.
+        self._riding: Riding | None = None
 
     # -- what the worker step holds ----------------------------------------------------------
     @property
@@ -160,7 +174,9 @@ class ClaimStep(bootsteps.StartStopStep):
             # A reconnection: Celery dropped the reserved requests of the old channel (the broker
             # redelivers them), so their claims must go too or the copies would park forever.
             self._forget_unstarted(everything=False)
+        self._unride()
         self.consumer = c
+        self._ride(c)
         # The consumer's loop runs on this thread.
         self._loop_ident = threading.get_ident()
         self._loop_running = True
@@ -174,6 +190,107 @@ class ClaimStep(bootsteps.StartStopStep):
         ):
             self._stop_consuming(c, "no worker lease held")
         self._reconcile()
+
+    def _ride(self, c: Any) -> None:
+        """Have the claims and ends of this consumer's deliveries ride in its channel's own
+        round trips, when the lease store is the broker's Redis server and database."""
+        store, claimer = self.store, self.claimer
+        if not isinstance(store, RedisLeaseStore) or claimer is None:
+            return
+        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
+        where = compat.redis_channel_server(channel)
+        if where is None or not store.shares_server(where):
+            return
+        self._riding = Riding(store, claimer, channel, self._ride_ended)
+        compat.ride_redis_acks(channel, self._on_append, self._on_ack)
+
+    def _unride(self) -> None:
+        """The channel is gone (a reconnection, a stop): what waited on its round trips is
+        given back (claims no strategy took) or recorded another way (ends)."""
+        riding, self._riding = self._riding, None
+        if riding is not None:
+            self._sweep_rides(riding, overdue_s=None)
+
+    def _sweep_rides(self, riding: Riding, *, overdue_s: float | None) -> None:
+        claimed, unknown = riding.leftovers()
+        for each in claimed:
+            if each.decision is not None and each.decision.token is not None:
+                gone = dataclasses.replace(each.held, token=each.decision.token,
+                                           lease_name=each.lease.name,
+                                           holder=each.lease.holder)
+                self._offload.submit(functools.partial(self._give_back, [gone],
+                                                       restore=False))
+        for held, lease in unknown:
+            self._offload.submit(functools.partial(self._drop_if_unheld, held, lease))
+        for end in riding.overdue(overdue_s):
+            logger.info("celery-crawl: %s[%s]: its ack did not carry its end; recording it "
+                        "separately", end.held.task_name, end.held.task_id)
+            self._defer(end.held, end.state, end.requeue)
+
+    def _drop_if_unheld(self, held: Held, lease: Lease) -> None:
+        """An append whose round trip failed may have made its claim: drop it if so (the
+        message did not reach a strategy here)."""
+        if self.store is None:
+            return
+        with contextlib.suppress(StoreError, LeaseLost):
+            current = self.store.claimant(keys.task_claim(held.task_id))
+            if (current is None or current.lease_name != lease.name
+                    or current.value.get("delivery_tag") != json_tag(held.delivery_tag)
+                    or any(h.token == current.token for h in self.book.snapshot())):
+                return
+            self.store.drop_claim(current)
+
+    def _on_append(self, message: Any) -> Any:
+        """kombu records ``message`` as unacked: its claim rides along (a task message of a
+        registered task, under a held lease)."""
+        riding = self._riding
+        if riding is None or not riding.carries(message):
+            return None
+        # Anything left from an earlier message never reached a strategy.
+        self._sweep_rides(riding, overdue_s=self._ride_overdue_s)
+        lease = self.keeper.lease if self.keeper else None
+        headers = message.headers
+        consumer = self.consumer
+        if (lease is None or self._closed or not isinstance(headers, dict)
+                or "id" not in headers or consumer is None
+                or headers.get("task") not in consumer.strategies):
+            return None
+        return riding.claim(self._held(message, str(headers["task"])), lease)
+
+    def _on_ack(self, tag: Any) -> Any:
+        riding = self._riding
+        return riding.on_ack(tag) if riding is not None else None
+
+    @property
+    def _ride_overdue_s(self) -> float:
+        """How long an end waits for its message's ack before it is recorded separately."""
+        return max(10.0, 10 * self._recheck_s)
+
+    def _ride_end(self, held: Held, state: str, requeue: bool) -> bool:
+        """Have the ack of ``held``'s message carry its end (True), if it rides."""
+        riding = self._riding
+        lease = self.keeper.lease if self.keeper else None
+        if (riding is None or lease is None or not self._loop_running
+                or not riding.carries(held.message) or compat.channel_gone(held.message)):
+            return False
+        held.handoff = finishing.handed_off(held.task_id)
+        finishing.clear(held.task_id)
+        if self.book.pop(held) is None:
+            return True  # released meanwhile: nothing to record
+        metrics.WORKER_CLAIMS.set(len(self.book))
+        if not riding.end(held, state, requeue, lease):
+            self._defer(held, state, requeue)
+        return True
+
+    def _ride_ended(self, held: Held, state: str, requeue: bool,
+                    error: Exception | None) -> None:
+        """The round trip that carried an end answered."""
+        if error is not None:
+            logger.warning("celery-crawl: recording the end of %s failed (%s); will retry",
+                           held.task_id, error)
+            self._defer(held, state, requeue)
+        elif held.handoff:
+            self._wake_parked(held.task_id)
 
     @property
     def _recheck_s(self) -> float:
@@ -236,6 +353,7 @@ class ClaimStep(bootsteps.StartStopStep):
         # loop finishes now, its follow-ups run on the offload thread while this thread waits
         # (acks of recorded ends go out; decisions are not applied, see ``_apply_later``).
         self._loop_running = False
+        self._unride()
         self._offload.stop()
         entry, self._recheck_entry = self._recheck_entry, None
         if entry is not None:
@@ -259,20 +377,18 @@ class ClaimStep(bootsteps.StartStopStep):
                     logger.warning("celery-crawl: %s arrived in task protocol 1; it runs without "
                                    "a claim (set task_protocol = 2 on the producers)", task_name)
                 return original(message, body, ack, reject, callbacks, **kwargs)
-            # Never trust a producer's value: the header is ours.
-            headers.pop(CLAIM_HEADER, None)
-            info = message.delivery_info or {}
-            retries = lenient_int(headers.get("retries"))
-            held = Held(
-                task_id=str(headers["id"]), delivery_tag=message.delivery_tag,
-                queue=info.get("routing_key"), deliveries=0, retries=retries,
-                generation=(lenient_int(headers.get("replaced_task_nesting")), retries),
-                digest=message_digest(headers, message.body), message=message,
-                task_name=task_name, exchange=info.get("exchange"),
-                routing_key=info.get("routing_key"),
-                delivery=Delivery(original, body, ack, reject, callbacks, kwargs,
-                                  consumer=step.consumer),
-            )
+            delivery = Delivery(original, body, ack, reject, callbacks, kwargs,
+                                consumer=step.consumer)
+            riding = step._riding
+            claimed = (riding.take(message, message.delivery_tag) if riding is not None
+                       else None)
+            if claimed is not None and claimed.decision is not None:
+                # Claimed in the round trip that recorded the message as unacked.
+                claimed.held.delivery = delivery
+                step._apply(claimed.held, claimed.decision, claimed.lease, first=True)
+                return None
+            held = claimed.held if claimed is not None else step._held(message, task_name)
+            held.delivery = delivery
             if step._offloading():
                 step._decide_later(held)
             else:
@@ -281,6 +397,22 @@ class ClaimStep(bootsteps.StartStopStep):
 
         crawl_claimed_strategy.__wrapped__ = original  # type: ignore[attr-defined]
         return crawl_claimed_strategy
+
+    def _held(self, message: Any, task_name: str) -> Held:
+        """A hold for a task message (protocol 2) just received."""
+        headers = message.headers
+        # Never trust a producer's value: the header is ours.
+        headers.pop(CLAIM_HEADER, None)
+        info = message.delivery_info or {}
+        retries = lenient_int(headers.get("retries"))
+        return Held(
+            task_id=str(headers["id"]), delivery_tag=message.delivery_tag,
+            queue=info.get("routing_key"), deliveries=0, retries=retries,
+            generation=(lenient_int(headers.get("replaced_task_nesting")), retries),
+            digest=message_digest(headers, message.body), message=message,
+            task_name=task_name, exchange=info.get("exchange"),
+            routing_key=info.get("routing_key"),
+        )
 
     def _claim_lease(self) -> Lease | None:
         """The lease for ``Claimer`` (read once per decision), remembered per thread so the
@@ -453,6 +585,8 @@ class ClaimStep(bootsteps.StartStopStep):
             settle = _settler(held, run.ack, args, kw)
             if not self._lease_valid_for(held):
                 return self._complete_stale(held, "done", False, settle)
+            if self._ride_end(held, "done", False):
+                return settle()
             if self._offloading():
                 self._complete_later(held, "done", False, settle)
                 return None
@@ -673,7 +807,11 @@ class ClaimStep(bootsteps.StartStopStep):
 
     def _recheck_parked(self) -> None:
         """Consumer timer: look again at the parked deliveries (their claimant may have died
-        or ended). The reads go to the offload thread; the decisions are applied on the loop."""
+        or ended). The reads go to the offload thread; the decisions are applied on the loop.
+        Also sweeps what waited too long on the channel's round trips (``_sweep_rides``)."""
+        riding = self._riding
+        if riding is not None:
+            self._sweep_rides(riding, overdue_s=self._ride_overdue_s)
         parked = [h for h in self.book.snapshot() if h.parked and not h.fenced]
         if not parked:
             return

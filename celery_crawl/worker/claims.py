@@ -316,20 +316,13 @@ class Claimer:
         lease = self._lease()
         if lease is None:
             return [Decision(Outcome.NO_LEASE) for _ in helds], None
-        items: list[tuple[str, Mapping[str, Any], list[tuple[str, str]]]] = []
-        for held in helds:
-            items.append((keys.task_claim(held.task_id),
-                          self._value(lease, held, held.deliveries + 1),
-                          [(keys.done(held.task_id), ""), (deliveries_key(held.task_id), "")]))
-        replies = self.store.claim_unless_changed_many(lease, items)
+        replies = self.store.claim_unless_changed_many(
+            lease, [self.fresh_item(held, lease) for held in helds])
         out: list[Decision] = []
         for held, reply in zip(helds, replies, strict=True):
-            deliveries = held.deliveries + 1
-            if isinstance(reply, int):
-                out.append(Decision(Outcome.POISON if deliveries >= self.max_deliveries
-                                    else Outcome.RUN, token=reply, deliveries=deliveries))
-            elif isinstance(reply, LeaseLost):
-                out.append(Decision(Outcome.NO_LEASE))
+            decided = self.fresh_decision(held, reply)
+            if decided is not None:
+                out.append(decided)
             elif reply is None or isinstance(reply, RecordChanged):
                 out.append(self.decide(
                     held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
@@ -341,6 +334,32 @@ class Claimer:
                 logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, reply)
                 out.append(Decision(Outcome.PARK, deliveries=held.deliveries))
         return out, lease
+
+    def fresh_item(self, held: Held, lease: Lease
+                   ) -> tuple[str, dict[str, Any], list[tuple[str, str]]]:
+        """The first claim of a fresh delivery, as ``(claim key, value, guarded records)``:
+        guarded by "no tombstone and no delivery count" (most deliveries are a task's first)."""
+        return (keys.task_claim(held.task_id), self._value(lease, held, held.deliveries + 1),
+                [(keys.done(held.task_id), ""), (deliveries_key(held.task_id), "")])
+
+    def fresh_decision(self, held: Held, reply: int | Exception | None) -> Decision | None:
+        """What the reply to ``fresh_item``'s claim decides, or None when the delivery must be
+        decided by reading first (a tombstone or count exists, a live claim holds the task, or
+        the call failed)."""
+        deliveries = held.deliveries + 1
+        if isinstance(reply, int):
+            return Decision(Outcome.POISON if deliveries >= self.max_deliveries
+                            else Outcome.RUN, token=reply, deliveries=deliveries)
+        if isinstance(reply, LeaseLost):
+            return Decision(Outcome.NO_LEASE)
+        return None
+
+    def end_item(self, held: Held, state: str, requeue: bool
+                 ) -> tuple[str, str, dict[str, Any]]:
+        """The end of a claimed delivery as ``(claim key, record key, record)`` (see
+        ``finish``)."""
+        record, value = self._end_record(held, state, requeue)
+        return keys.task_claim(held.task_id), record, value
 
     def _value(self, lease: Lease, held: Held, deliveries: int) -> dict[str, Any]:
         return {

@@ -1,0 +1,160 @@
+"""Claims and ends that travel in the broker's own round trips.
+
+With ``task_acks_late`` kombu's Redis transport already makes one MULTI/EXEC round trip per
+message when it records the message as unacked, and one when it acks it. When the lease store
+is the broker's own Redis server and database, a delivery's claim can ride in the first and its
+end (tombstone, then unclaim) in the second: the worker's main process then makes no store round
+trip of its own for a task that simply runs and succeeds, and the claim is decided before Celery
+builds the request, on the same loop turn, with no hand-off to another thread. The end goes in
+the same transaction as the ack, before it, so "the end is recorded before the message is
+settled" holds as on the other path.
+
+Only the common case rides: a first claim guarded by "no tombstone and no delivery count", and
+the end of a run that acks. Everything else (a tombstone or a live claim found, a failed call, a
+reject, a parked delivery) is decided or recorded the usual way, off the loop.
+
+This module does not import Celery; ``ClaimStep`` installs the hooks through
+``_celery_compat.ride_redis_acks``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._celery_compat import Ride
+from ..errors import CrawlError, StoreUnavailable
+from ..leases.base import Lease
+from ..leases.redis import RedisLeaseStore
+from .claims import Claimer, Decision, Held
+
+__all__ = ["Claimed", "RiddenEnd", "Riding"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Claimed:
+    """A delivery claimed in its append round trip, waiting for its strategy to run.
+
+    ``decision`` is None when the reply did not decide it (it is then decided by reading)."""
+
+    held: Held
+    decision: Decision | None
+    lease: Lease
+
+
+@dataclasses.dataclass(slots=True)
+class RiddenEnd:
+    """The end of a run, waiting for its message's ack to carry it."""
+
+    held: Held
+    state: str
+    requeue: bool
+    command: tuple[Any, ...]
+    outcome: Callable[[Any], CrawlError | None]
+    since: float
+
+
+#: Called once an end's round trip answered: (held, state, requeue, error or None).
+Ended = Callable[[Held, str, bool, CrawlError | None], None]
+
+
+class Riding:
+    """The claims and ends of one broker channel that ride in its round trips.
+
+    Args:
+        store: the lease store, on the broker's server (``RedisLeaseStore.shares_server``).
+        claimer: makes the claims' and ends' items and reads their replies.
+        channel: the broker channel whose round trips carry them.
+        ended: told how each end's round trip went.
+    """
+
+    def __init__(self, store: RedisLeaseStore, claimer: Claimer, channel: Any,
+                 ended: Ended) -> None:
+        self.store = store
+        self.claimer = claimer
+        self.channel = channel
+        self._ended = ended
+        self._lock = threading.Lock()
+        self._claimed: dict[Any, Claimed] = {}
+        #: Appends whose round trip failed: their claim may or may not have been made.
+        self._unknown: list[tuple[Held, Lease]] = []
+        self._ends: dict[Any, RiddenEnd] = {}
+
+    # -- claims ------------------------------------------------------------------------------
+    def claim(self, held: Held, lease: Lease) -> Ride:
+        """The claim of a fresh delivery, to ride in its append round trip."""
+        command, outcome = self.store.claim_command(lease, *self.claimer.fresh_item(held, lease))
+
+        def after(replies: list[Any] | None) -> None:
+            with self._lock:
+                if replies is None:
+                    self._unknown.append((held, lease))
+                    return
+                decision = self.claimer.fresh_decision(held, outcome(replies[0]))
+                self._claimed[held.delivery_tag] = Claimed(held, decision, lease)
+
+        return [command], after
+
+    def take(self, message: Any, tag: Any) -> Claimed | None:
+        """The claim made in ``message``'s append, for its strategy (None if none rode)."""
+        with self._lock:
+            got = self._claimed.get(tag)
+            if got is None or got.held.message is not message:
+                return None
+            del self._claimed[tag]
+            return got
+
+    def leftovers(self) -> tuple[list[Claimed], list[tuple[Held, Lease]]]:
+        """Claims no strategy took (Celery refused the message before it: an unknown task, a
+        body it could not decode) and appends whose round trip failed; forgotten here."""
+        with self._lock:
+            claimed, self._claimed = list(self._claimed.values()), {}
+            unknown, self._unknown = self._unknown, []
+        return claimed, unknown
+
+    # -- ends --------------------------------------------------------------------------------
+    def carries(self, message: Any) -> bool:
+        """Whether ``message``'s ack goes through this channel's round trips."""
+        return getattr(message, "channel", None) is self.channel
+
+    def end(self, held: Held, state: str, requeue: bool, lease: Lease) -> bool:
+        """Have the ack of ``held``'s message carry its end. False (nothing registered) when
+        another end waits on the same delivery tag: record this one the usual way."""
+        claim_key, record, value = self.claimer.end_item(held, state, requeue)
+        command, outcome = self.store.finish_command(lease, claim_key, record, value,
+                                                     ttl_s=self.claimer.done_ttl_s)
+        with self._lock:
+            if held.delivery_tag in self._ends:
+                return False
+            self._ends[held.delivery_tag] = RiddenEnd(held, state, requeue, command, outcome,
+                                                      time.monotonic())
+        return True
+
+    def on_ack(self, tag: Any) -> Ride | None:
+        """The end waiting on ``tag``, to ride in its ack round trip (None: a plain ack)."""
+        with self._lock:
+            waiting = self._ends.pop(tag, None)
+        if waiting is None:
+            return None
+
+        def after(replies: list[Any] | None) -> None:
+            error = (StoreUnavailable("the broker round trip carrying the end failed")
+                     if replies is None else waiting.outcome(replies[0]))
+            self._ended(waiting.held, waiting.state, waiting.requeue, error)
+
+        return [waiting.command], after
+
+    def overdue(self, older_than_s: float | None = None) -> list[RiddenEnd]:
+        """Ends whose ack has not come for ``older_than_s`` (all of them when None): the ack
+        failed or will not come (a lost connection); forgotten here, for the caller to record
+        another way."""
+        now = time.monotonic()
+        with self._lock:
+            out = [e for e in self._ends.values()
+                   if older_than_s is None or now - e.since >= older_than_s]
+            for each in out:
+                del self._ends[each.held.delivery_tag]
+        return out
