@@ -55,8 +55,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "kombu.message:Message": ("_state",),
     "kombu.transport.virtual.base:Message": ("_raw",),
     "kombu.transport.redis:Channel": ("_q_for_pri",),
-    "kombu.transport.redis:QoS": (
-        "pipe_or_acquire", "_remove_from_indices", "unacked_key", "unacked_index_key"),
+    "kombu.transport.redis:QoS": ("pipe_or_acquire", "_remove_from_indices"),
     "celery.backends.redis:RedisBackend": (
         "_fail_chain", "_call_task_errbacks", "_get_result_meta", "_MAX_STR_VALUE_SIZE"),
 }

@@ -203,6 +203,8 @@ class ClaimStep(bootsteps.StartStopStep):
             return
         self._riding = Riding(store, claimer, channel, self._ride_ended)
         compat.ride_redis_acks(channel, self._on_append, self._on_ack)
+        logger.info("celery-crawl: the lease store is the broker's Redis database: claims and "
+                    "ends ride in the broker's own round trips")
 
     def _unride(self) -> None:
         """The channel is gone (a reconnection, a stop): what waited on its round trips is
@@ -1019,6 +1021,7 @@ class ClaimStep(bootsteps.StartStopStep):
             "claims": claimed, "parked": parked, "consuming": self.consuming,
             "fenced": self.fenced_count, "duplicates_dropped": self.duplicates,
             "poisoned": self.poisoned, "backlog": len(self.backlog),
+            "rides_broker": self._riding is not None,
         }
 
     def claims(self) -> list[dict[str, Any]]:

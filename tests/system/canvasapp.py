@@ -4,8 +4,8 @@ backend, the lease store on the same Redis).
 
 One app per (stock|crawl, prefork|threads), each with its own default queue, e.g.
 ``celery -A tests.system.canvasapp:crawl_threads worker -P threads``. One private redis-server
-whose port comes from ``CANVAS_REDIS_PORT``: crawl uses db 1 (broker) and db 0 (results,
-leases), stock db 3 and db 4, and every task records what it did in db 2.
+whose port comes from ``CANVAS_REDIS_PORT``: crawl uses db 1 (broker and leases) and db 0
+(results), stock db 3 and db 4, and every task records what it did in db 2.
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def _make(mode: str, pool: str) -> Celery:
     else:
         app = _app(f"canvas_crawl_{pool}", broker_db=1,
                    results=f"tests.system.canvasapp:HeldChordBackend+redis://127.0.0.1:{PORT}/0")
-        app.conf.update(crawl_lease_url=f"redis://127.0.0.1:{PORT}/0",
+        # The lease store on the broker's database: claims and ends ride in kombu's round trips.
+        app.conf.update(crawl_lease_url=f"redis://127.0.0.1:{PORT}/1",
                         crawl_namespace="canvas", crawl_worker_lease_ttl=3, crawl_done_ttl=600,
                         crawl_store_timeout=1.0, crawl_reaper_interval=1.0)
         celery_crawl.install(app)

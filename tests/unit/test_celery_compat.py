@@ -48,6 +48,11 @@ def _instance(spec: str) -> Any:
             return None
 
         return Request(TaskMessage("celery_crawl_compat_test.noop"), app=app)
+    if spec == "kombu.transport.virtual.base:Message":
+        from kombu.transport.virtual.base import Message
+
+        return Message({"body": "", "headers": {},
+                        "properties": {"delivery_tag": "t", "delivery_info": {}}})
     return None
 
 
