@@ -337,7 +337,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     request.crawl_rollback = outcome
                 raise
             # The body has returned: what is left is bookkeeping on the result backend, so a
-            # lease loss from here on keeps this run instead of killing it (worker/finishing.py).
+            # lease loss from here on keeps this run instead of killing it (_finishing.py).
             finishing.mark(str(request.id))
             if heartbeat.fenced or not ledger.touch(run_id):
                 fenced = FencedError(

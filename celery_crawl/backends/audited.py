@@ -525,7 +525,7 @@ class AuditedRedisBackend(RedisBackend):
                       request: Any = None, **kwargs: Any) -> Any:
         if state in states.READY_STATES:
             # The body has returned: a lease loss from here on must not kill this run (its
-            # work is done); the worker plugin reads the mark (see worker/finishing.py).
+            # work is done); the worker plugin reads the mark (see _finishing.py).
             finishing.mark(bytes_to_str(task_id))
         meta = result_meta(self, result, state, traceback, request)
         meta["task_id"] = bytes_to_str(task_id)

@@ -3,6 +3,7 @@
 -- bad_counter(counter_key): why the token counter cannot be used (someone else wrote it), or
 -- nil. Checked before a script writes anything, so a refused script leaves no partial writes.
 -- Errors raised as 'CRAWLDATA ...' reach callers as StoreDataError.
+-- The second value returned is the counter as read (0 when missing), for issue_token.
 local function bad_counter(counter_key)
   local v = redis.pcall('GET', counter_key)
   if type(v) == 'table' and v.err then
@@ -11,7 +12,7 @@ local function bad_counter(counter_key)
   if v and (not string.match(v, '^%d+$') or #v > 18) then
     return 'CRAWLDATA token counter ' .. counter_key .. ' does not hold a token'
   end
-  return nil
+  return nil, tonumber(v or '0')
 end
 
 -- next_token(counter_key): the namespace's single fencing-token source: max(INCR, TIME in us).
@@ -28,6 +29,19 @@ local function next_token(counter_key)
     redis.call('SET', counter_key, string.format('%d', now))
     return now
   end
+  return n
+end
+
+-- issue_token(counter_key, counter): next_token for a script that read the counter itself
+-- (bad_counter's second value) and keeps it in counter.last: the same token (max(counter + 1,
+-- TIME in us)) and the same counter afterwards, in two calls instead of three.
+local function issue_token(counter_key, counter)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local n = counter.last + 1
+  if now > n then n = now end
+  redis.call('SET', counter_key, string.format('%d', n))
+  counter.last = n
   return n
 end
 

@@ -11,8 +11,9 @@
 -- key touched is declared), else {1, t1, t2, ...} with 0 for a refused claim.
 -- A claim is alive iff its lease key holds the claim's holder AND lease token: a lease that
 -- expired and was re-taken by the same holder is a new lease and does not revive old claims.
-local bad = bad_counter(KEYS[2])
+local bad, counted = bad_counter(KEYS[2])
 if bad then return redis.error_reply(bad) end
+local counter = {last = counted}
 if not lease_is(KEYS[1], ARGV[2], ARGV[3]) then return {-1} end
 local nclaims = 2 * (#ARGV - 4) - (#KEYS - 4)
 local lease_keys = {[ARGV[1]] = {KEYS[1], KEYS[3]}}
@@ -20,17 +21,24 @@ for j = 1, #KEYS - 4 - nclaims, 2 do
   lease_keys[ARGV[4 + nclaims + (j + 1) / 2]] = {KEYS[4 + nclaims + j], KEYS[5 + nclaims + j]}
 end
 local missing = {-2}
+-- Each claim key as found (nil: not a hash), read once; a key named twice is read again after
+-- this script wrote it.
+local found = {}
 for i = 5, 4 + nclaims do
-  local prev = hmget_safe(KEYS[i], 'lease') or {}
+  found[i] = hmget_safe(KEYS[i], 'lease', 'holder', 'ltoken')
+  local prev = found[i] or {}
   if prev[1] and not lease_keys[prev[1]] then missing[#missing + 1] = prev[1] end
 end
 if #missing > 1 then return missing end
 local out = {1}
 local granted = 0
+local written = {}
 for i = 5, 4 + nclaims do
   local ck = KEYS[i]
+  local raw = found[i]
+  if written[ck] then raw = hmget_safe(ck, 'lease', 'holder', 'ltoken') end
   -- A key that is not a claim hash is foreign data: taken over like a dead claim.
-  local prev = hmget_safe(ck, 'lease', 'holder', 'ltoken') or {}
+  local prev = raw or {}
   local free = true
   if prev[1] then
     local pkeys = lease_keys[prev[1]]
@@ -45,8 +53,10 @@ for i = 5, 4 + nclaims do
     end
   end
   if free then
-    local token = next_token(KEYS[2])
-    redis.call('DEL', ck)
+    local token = issue_token(KEYS[2], counter)
+    -- A missing key needs no DEL; a dead claim or foreign data is replaced whole.
+    if raw == nil or prev[1] or prev[2] or prev[3] then redis.call('DEL', ck) end
+    written[ck] = true
     redis.call('HSET', ck, 'lease', ARGV[1], 'holder', ARGV[2], 'ltoken', ARGV[3],
                'token', token, 'value', ARGV[i])
     redis.call('SADD', KEYS[3], ck)

@@ -13,6 +13,12 @@ for i = 1, n do
   guard_keys[i] = table.remove(KEYS, 1)
   expected[i] = table.remove(ARGV, 1)
 end
+-- Most guards expect every record absent: one EXISTS says so; otherwise each is looked at.
+local all_absent = n > 0
+for i = 1, n do
+  if expected[i] ~= '' then all_absent = false end
+end
+if all_absent and redis.call('EXISTS', unpack(guard_keys)) == 0 then n = 0 end
 for i = 1, n do
   local current = redis.pcall('HGET', guard_keys[i], 'v')
   if type(current) == 'table' then return {-3, i} end

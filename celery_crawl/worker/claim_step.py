@@ -38,12 +38,12 @@ from celery.worker import state as worker_state
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .. import _celery_compat as compat
+from .. import _finishing as finishing
 from .. import keys, metrics
 from ..config import CrawlConfig
 from ..errors import LeaseLost, PoisonMessage, StoreError
 from ..leases.base import Lease, LeaseStore
 from ..leases.redis import RedisLeaseStore
-from . import finishing
 from .backlog import Backlog
 from .broker import BrokerOps
 from .claims import (
@@ -275,8 +275,7 @@ class ClaimStep(bootsteps.StartStopStep):
         if (riding is None or lease is None or not self._loop_running
                 or not riding.carries(held.message) or compat.channel_gone(held.message)):
             return False
-        held.handoff = finishing.handed_off(held.task_id)
-        finishing.clear(held.task_id)
+        held.handoff = finishing.take(held.task_id)
         if self.book.pop(held) is None:
             return True  # released meanwhile: nothing to record
         metrics.WORKER_CLAIMS.set(len(self.book))
@@ -637,8 +636,7 @@ class ClaimStep(bootsteps.StartStopStep):
         still ours, so it is settled normally. The store calls run off the consumer's loop.
         """
         self.book.pop(held)
-        held.handoff = finishing.handed_off(held.task_id)
-        finishing.clear(held.task_id)
+        held.handoff = finishing.take(held.task_id)
         held.fenced = True
         if self._offloading():
             self._offload.submit(
@@ -681,8 +679,7 @@ class ClaimStep(bootsteps.StartStopStep):
         assert self.claimer is not None
         recorded: list[tuple[Held, str, bool]] = []
         for held, state, requeue, _ in ends:
-            held.handoff = finishing.handed_off(held.task_id)
-            finishing.clear(held.task_id)
+            held.handoff = finishing.take(held.task_id)
             if self.book.pop(held) is not None:
                 recorded.append((held, state, requeue))
         metrics.WORKER_CLAIMS.set(len(self.book))
@@ -703,8 +700,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 for held, _, _, settle in ends]
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
-        held.handoff = finishing.handed_off(held.task_id)
-        finishing.clear(held.task_id)
+        held.handoff = finishing.take(held.task_id)
         if self.book.pop(held) is None:
             return
         metrics.WORKER_CLAIMS.set(len(self.book))

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps, signals
 
+from .. import _finishing as finishing
 from .. import metrics, status
 from ..config import CrawlConfig
 from ..errors import StoreError
 from ..leases import store_for
 from ..leases.base import LeaseStore
-from . import finishing
 from .broker import BrokerOps, broker_ops
 from .guards import check_beat, check_memory, check_pool
 from .keeper import Keeper
