@@ -217,9 +217,13 @@ def _cpu(proc: psutil.Process) -> tuple[float, float]:
     return main.user + main.system, children
 
 
-def profile(setup: Setup, n: int, workdir: Path) -> dict[str, Any]:
-    """Round trips per task by server and CPU per task, on a warm worker fed N tasks."""
-    servers = servers_for(setup.broker, separate=True)
+def profile(setup: Setup, n: int, workdir: Path, *, separate: bool = True) -> dict[str, Any]:
+    """Round trips per task by server and CPU per task, on a warm worker fed N tasks.
+
+    ``separate=False`` puts broker, backend and lease store on one server, as the timed run
+    does: a Redis broker's round trips then carry the claims and ends (``worker/riding.py``),
+    and every round trip is counted under the broker."""
+    servers = servers_for(setup.broker, separate=separate)
     queue = f"tp-{uuid.uuid4().hex[:8]}"
     counts = Path(tempfile.mkdtemp(prefix="tp-counts-", dir=workdir))
     log = workdir / f"profile-{setup.label.replace('/', '-')}-{queue}.log"
@@ -243,6 +247,8 @@ def profile(setup: Setup, n: int, workdir: Path) -> dict[str, Any]:
                 path.read_text()))
         ports = {"broker": str(_port(servers.broker_url)), "backend": str(servers.backend.port),
                  "lease": str(servers.lease.port)}
+        if not separate:
+            ports = {"broker": ports["broker"], "backend": "-", "lease": "-"}
         total = n + len(warm)
         return {
             "rt": {f"{where}:{role}": (src[port] / total)
@@ -324,6 +330,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {broker} | {pool} | {mode} | {broker_rt} | {pair('backend')} | "
                       f"{pair('lease')} | {p['cpu_main_ms']:.2f} | {p['cpu_child_ms']:.2f} |",
                       flush=True)
+    if "redis" not in brokers:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return 0
+    print()
+    print("# The same on one server (as timed): every round trip counted under the broker, "
+          "claims and ends riding in the broker's own\n")
+    print("| broker | pool | setup | all RT main/child | CPU main ms | CPU children ms |")
+    print("|---|---|---|---|---|---|")
+    for pool in args.pools.split(","):
+        for mode in MODES:
+            p = profile(Setup("redis", pool, mode), n, workdir, separate=False)
+            rt = p["rt"]
+            print(f"| redis | {pool} | {mode} | {rt['broker:main']:.2f} / "
+                  f"{rt['broker:child']:.2f} | {p['cpu_main_ms']:.2f} | "
+                  f"{p['cpu_child_ms']:.2f} |", flush=True)
     shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

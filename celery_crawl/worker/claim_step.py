@@ -849,7 +849,10 @@ class ClaimStep(bootsteps.StartStopStep):
             self._apply_later(held, decision, claimed_under, first=False)
         elif decision.outcome in (Outcome.RUN, Outcome.POISON) and not self._holds(held):
             # A copy: the hold itself is settled (released or dropped) and may be read still.
-            gone = dataclasses.replace(held, token=decision.token, parked=False)
+            gone = dataclasses.replace(
+                held, token=decision.token, parked=False,
+                lease_name=claimed_under.name if claimed_under else None,
+                holder=claimed_under.holder if claimed_under else None)
             self._offload.submit(functools.partial(self._give_back, [gone], restore=False))
 
     # -- lease loss / regain ---------------------------------------------------------------

@@ -350,3 +350,92 @@ def test_a_run_ending_after_its_lease_was_lost_is_checked_off_the_loop(
     _run_pending(hub, pending + 1, "the stale end's follow-up")
     assert log.calls and not [c for c in log.calls if c[1] == loop], (log.calls, settled)
     assert settled == ["ack"]  # the claim was still ours: the run counts
+
+
+def test_a_poison_message_is_ended_off_the_loop(step: tuple[ClaimStep, Any, RedisServer]) -> None:
+    """A delivery found at ``crawl_max_deliveries`` is ended as FAILURE without running: its
+    hook, result write and end record are store and backend calls, made off the loop; only the
+    ack comes back to it."""
+    claim_step, _, _ = step
+    store, claimer = claim_step.store, claim_step.claimer
+    assert store is not None and claimer is not None
+    hub: QueuedHub = claim_step.worker.hub
+    task_id = f"t-poison-{uuid.uuid4().hex[:6]}"
+    store.put(f"deliveries/{task_id}", {"n": claim_step.config.max_deliveries - 1})
+    started: list[str] = []
+    acked: list[str] = []
+
+    def original(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
+                 **kw: Any) -> None:
+        started.append(message.headers["id"])
+
+    strategy = claim_step._wrap("crawltest.work", original)
+    strategy(Message(task_id, 1), None, lambda *a, **k: acked.append("ack"),
+             lambda *a, **k: None, None)
+    log = ThreadLog(claimer.store)
+    claimer.store = log  # type: ignore[assignment]
+    claim_step.lease_step.store = log  # type: ignore[assignment]
+    loop = threading.get_ident()
+    _run_pending(hub, 1, "the decision")  # poison: its end goes off the loop
+    assert acked == [] and not [c for c in log.calls if c[1] == loop], log.calls
+    _run_pending(hub, 1, "the poison end's follow-up")
+    assert acked == ["ack"] and started == []
+    assert log.calls and not [c for c in log.calls if c[1] == loop], log.calls
+    done = store.get(keys.done(task_id))
+    assert done is not None and done["state"] == "FAILURE", done
+    assert claim_step.status()["poisoned"] == 1
+
+
+def test_claims_dropped_after_a_reconnection_are_given_back_off_the_loop(
+    step: tuple[ClaimStep, Any, RedisServer],
+) -> None:
+    """After a reconnection Celery has dropped the old channel's reserved deliveries: their
+    claims are given back (and their messages restored) off the loop."""
+    claim_step, consumer, _ = step
+    store, claimer = claim_step.store, claim_step.claimer
+    assert store is not None and claimer is not None
+    hub: QueuedHub = claim_step.worker.hub
+    task_id = f"t-reconnect-{uuid.uuid4().hex[:6]}"
+    started: list[str] = []
+    _deliver(claim_step, task_id, 1, started)
+    _run_pending(hub, 1, "the decision")
+    assert started == [task_id]  # claimed; Celery never started it (no request tracked)
+    assert store.claimant(keys.task_claim(task_id)) is not None
+    log = ThreadLog(claimer.store)
+    claimer.store = log  # type: ignore[assignment]
+    loop = threading.get_ident()
+    claim_step.start(consumer)  # the consumer restarts on the same (loop) thread
+    wait_until(lambda: store.claimant(keys.task_claim(task_id)) is None, 10.0,
+               what="the dropped claim given back")
+    assert log.calls and not [c for c in log.calls if c[1] == loop], log.calls
+    assert len(claim_step.book) == 0
+
+
+def test_a_parked_copy_claimed_after_it_was_released_is_given_back(
+    step: tuple[ClaimStep, Any, RedisServer],
+) -> None:
+    """A re-check decides to run a parked copy (the claim it waited behind is gone), but the
+    copy was released meanwhile (a lease loss, a reconnection): the claim the re-check made is
+    given back, and the copy does not run."""
+    claim_step, _, _ = step
+    store, claimer = claim_step.store, claim_step.claimer
+    assert store is not None and claimer is not None
+    hub: QueuedHub = claim_step.worker.hub
+    task_id = f"t-gone-{uuid.uuid4().hex[:6]}"
+    started: list[str] = []
+    _deliver(claim_step, task_id, 1, started)
+    _run_pending(hub, 1, "the first delivery's decision")
+    _deliver(claim_step, task_id, 2, started)
+    _run_pending(hub, 1, "the copy's decision")
+    first, copy = sorted(claim_step.book.snapshot(), key=lambda h: h.delivery_tag)
+    assert not first.parked and copy.parked and started == [task_id]
+    # The first run's claim goes without a tombstone (its run will not end here).
+    claim_step.book.pop(first)
+    claimer.drop(first)
+    claim_step._recheck_parked()
+    wait_until(lambda: len(hub.pending) >= 1, 5.0, what="the re-check's decision")
+    claim_step.book.pop(copy)  # released before the decision reaches the loop
+    hub.run_reversed()  # the decision: run, but the copy is gone
+    wait_until(lambda: store.claimant(keys.task_claim(task_id)) is None, 10.0,
+               what="the re-check's claim given back")
+    assert started == [task_id]
