@@ -24,30 +24,11 @@ from celery_crawl.leases import open_store
 from celery_crawl.leases.base import Lease, LeaseStore
 from celery_crawl.worker.keeper import Keeper, boottime
 from celery_crawl.worker.steps import ClaimStep, LeaseStep
+from tests.queued_hub import QueuedHub
 from tests.servers import EtcdServer, RedisServer, wait_until
 from tests.tcpproxy import TcpProxy
 
 TTL_S = 3.0
-
-
-class QueuedHub:
-    """Celery's hub as far as the lease step uses it, except that nothing runs by itself."""
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
-        self._lock = threading.Lock()
-
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        with self._lock:
-            self.pending.append((fn, args))
-
-    def run_reversed(self) -> int:
-        """Run what is pending, newest first (an order kombu's ready set may choose)."""
-        with self._lock:
-            todo, self.pending = self.pending, []
-        for fn, args in reversed(todo):
-            fn(*args)
-        return len(todo)
 
 
 class TaskConsumer:

@@ -8,7 +8,6 @@ own round-trip counter tells whether a claim or an end needed a round trip of it
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,29 +20,11 @@ from kombu import Consumer, Queue
 
 from celery_crawl import keys
 from celery_crawl.worker.steps import ClaimStep, LeaseStep
+from tests.queued_hub import QueuedHub
 from tests.servers import RedisServer, wait_until
 
 TTL_S = 3.0
 TASK = "ridetest.work"
-
-
-class QueuedHub:
-    """Celery's hub as far as the steps use it: follow-ups wait until the test runs them."""
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
-        self._lock = threading.Lock()
-
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        with self._lock:
-            self.pending.append((fn, args))
-
-    def run(self) -> int:
-        with self._lock:
-            todo, self.pending = self.pending, []
-        for fn, args in todo:
-            fn(*args)
-        return len(todo)
 
 
 @dataclass
