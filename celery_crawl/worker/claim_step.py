@@ -248,8 +248,10 @@ class ClaimStep(bootsteps.StartStopStep):
         riding = self._riding
         if riding is None or not riding.carries(message):
             return None
-        # Anything left from an earlier message never reached a strategy.
-        self._sweep_rides(riding, overdue_s=self._ride_overdue_s)
+        # A claim left from an earlier message never reached a strategy (ends wait for the
+        # consumer's timer: their acks come on later turns).
+        if riding.has_leftovers():
+            self._sweep_rides(riding, overdue_s=self._ride_overdue_s)
         lease = self.keeper.lease if self.keeper else None
         headers = message.headers
         consumer = self.consumer

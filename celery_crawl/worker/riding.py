@@ -107,6 +107,10 @@ class Riding:
             del self._claimed[tag]
             return got
 
+    def has_leftovers(self) -> bool:
+        """Whether ``leftovers`` has anything (a cheap look, without the lock)."""
+        return bool(self._claimed) or bool(self._unknown)
+
     def leftovers(self) -> tuple[list[Claimed], list[tuple[Held, Lease]]]:
         """Claims no strategy took (Celery refused the message before it: an unknown task, a
         body it could not decode) and appends whose round trip failed; forgotten here."""
