@@ -134,7 +134,8 @@ def _wait_compacted_past(store: Any, revision: int, deadline_s: float) -> None:
     deadline = _now() + deadline_s
     while True:
         try:
-            store._call("probe", store._kv.Range, rpc.RangeRequest(key=b"q:probe", revision=revision))
+            store._call("probe", store._kv.Range,
+                        rpc.RangeRequest(key=b"q:probe", revision=revision))
         except StoreError as exc:
             if "compacted" in str(exc):
                 return
