@@ -7,7 +7,14 @@ One module serves every setup, chosen by the environment:
   the ``crawlredis://`` backend) or ``idem`` (the same, tasks on ``IdempotentTask``);
 * ``TP_LEASE`` — ``crawl_lease_url`` (plugins and idem);
 * ``TP_COUNT_DIR`` — when set, every redis-py round trip is counted per server port and each
-  process writes its counts there when it exits (the profile run; never the timed one).
+  process writes its counts there when it exits (the profile run; never the timed one);
+* ``TP_TAKE_APART`` — diagnostic setups of ``throughput.py --take-apart`` that each leave one
+  part of the plugins out (they break the guarantees and only say what each part costs):
+  ``no-steps`` (the worker's lease and claim steps removed: only the audited backend is left),
+  ``plain-backend`` (the steps with the stock ``redis://`` backend), ``empty-scripts`` (claims
+  and ends built and sent as usual, but the scripts do nothing on the server: their server
+  time) and ``no-commands`` (claims and ends replaced by one trivial command each: the client's
+  cost of building, packing and reading them, plus the scripts' server time).
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ app.conf.update(
     worker_hijack_root_logger=False,
     worker_redirect_stdouts=False,
 )
+TAKE_APART = _env("TP_TAKE_APART", "")
+if TAKE_APART == "plain-backend":
+    app.conf.result_backend = str(_env("TP_BACKEND")).replace("crawlredis://", "redis://", 1)
 if MODE == "stock":
     app.conf.task_acks_late = True
     app.conf.task_reject_on_worker_lost = True
@@ -45,6 +55,49 @@ else:
     app.conf.update(crawl_lease_url=_env("TP_LEASE"), crawl_namespace="tp",
                     crawl_worker_lease_ttl=15, crawl_done_ttl=600)
     celery_crawl.install(app)
+
+
+def _take_apart(what: str) -> None:
+    """Leave one part of the plugins out (``TP_TAKE_APART``; diagnostics only)."""
+    from celery_crawl.leases.redis import RedisLeaseStore
+
+    if what == "no-steps":
+        for group in ("worker", "consumer"):
+            for step in list(app.steps[group]):
+                if str(getattr(step, "name", "")).startswith("celery_crawl."):
+                    app.steps[group].discard(step)
+    elif what == "empty-scripts":
+        claim, finish = RedisLeaseStore.claim_command, RedisLeaseStore.finish_command
+        shas: dict[str, str] = {}
+
+        def _shas(store: Any) -> dict[str, str]:
+            if not shas:
+                shas["claim"] = store._client.script_load("return {1, redis.call('INCR', "
+                                                          "'tp:token')}")
+                shas["finish"] = store._client.script_load("return 1")
+            return shas
+
+        def empty_claim(self: Any, *args: Any) -> Any:
+            command, _ = claim(self, *args)
+            return ("EVALSHA", _shas(self)["claim"], *command[2:]), lambda r: int(r[1])
+
+        def empty_finish(self: Any, *args: Any, **kw: Any) -> Any:
+            command, _ = finish(self, *args, **kw)
+            return ("EVALSHA", _shas(self)["finish"], *command[2:]), lambda r: None
+
+        RedisLeaseStore.claim_command = empty_claim  # type: ignore[method-assign]
+        RedisLeaseStore.finish_command = empty_finish  # type: ignore[method-assign]
+    elif what == "no-commands":
+        RedisLeaseStore.claim_command = (  # type: ignore[method-assign]
+            lambda self, *a: (("INCR", "tp:token"), int))
+        RedisLeaseStore.finish_command = (  # type: ignore[method-assign]
+            lambda self, *a, **kw: (("PING",), lambda r: None))
+    elif what not in ("", "plain-backend"):
+        raise SystemExit(f"TP_TAKE_APART: unknown setup {what!r}")
+
+
+if MODE != "stock":
+    _take_apart(TAKE_APART)
 
 
 @app.task(name="tp.noop")

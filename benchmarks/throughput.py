@@ -17,7 +17,8 @@ against stock Celery in the same broker x pool.
 A second, untimed run of each setup profiles where the extra time goes: the worker is started
 on an empty queue, warmed up, then fed N tasks; every redis-py round trip is counted by server
 (broker, result backend and lease store are three servers here, so each count is attributed),
-and the CPU of the worker's main process and of its pool children is read from ``/proc``.
+and the CPU of the worker's main process, of its pool children and of the Redis servers is read
+from ``/proc`` (on two cores every process's CPU per task counts: they share the machine).
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def _ts(value: Any) -> float:
     return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
 
 
-def timed(setup: Setup, n: int, workdir: Path) -> float:
+def timed(setup: Setup, n: int, workdir: Path, extra_env: dict[str, str] | None = None) -> float:
     """One cold drain: N tasks queued, then one worker started; tasks per second."""
     servers = servers_for(setup.broker, separate=False)
     queue = f"tp-{uuid.uuid4().hex[:8]}"
@@ -195,7 +196,7 @@ def timed(setup: Setup, n: int, workdir: Path) -> float:
     try:
         app = client_app(servers, setup.mode)
         ids = publish(app, setup.mode, queue, n)
-        proc = start_worker(setup, servers, queue, log)
+        proc = start_worker(setup, servers, queue, log, extra_env)
         metas = wait_results(app, ids, timeout_s=max(120.0, n / 20), proc=proc, log=log)
         return drain_rate(metas)[0]
     finally:
@@ -217,6 +218,17 @@ def _cpu(proc: psutil.Process) -> tuple[float, float]:
     return main.user + main.system, children
 
 
+def _redis_cpu(servers: Servers) -> float:
+    """CPU seconds of the run's own Redis servers (the benchmark starts them; RabbitMQ is not
+    counted). It includes the N publishes and the result polling, alike for every setup."""
+    total = 0.0
+    for server in servers.owned:
+        if server.proc is not None:
+            t = psutil.Process(server.proc.pid).cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def profile(setup: Setup, n: int, workdir: Path, *, separate: bool = True) -> dict[str, Any]:
     """Round trips per task by server and CPU per task, on a warm worker fed N tasks.
 
@@ -234,10 +246,10 @@ def profile(setup: Setup, n: int, workdir: Path, *, separate: bool = True) -> di
         warm = publish(app, setup.mode, queue, 20)
         wait_results(app, warm, 120, proc, log)
         ps = psutil.Process(proc.pid)
-        cpu0 = _cpu(ps)
+        cpu0, redis0 = _cpu(ps), _redis_cpu(servers)
         ids = publish(app, setup.mode, queue, n)
         wait_results(app, ids, max(120.0, n / 20), proc, log)
-        cpu1 = _cpu(ps)
+        cpu1, redis1 = _cpu(ps), _redis_cpu(servers)
         stop_worker(proc)
         proc = None
         main: Counter[str] = Counter()
@@ -256,12 +268,40 @@ def profile(setup: Setup, n: int, workdir: Path, *, separate: bool = True) -> di
                    for where, port in ports.items()},
             "cpu_main_ms": (cpu1[0] - cpu0[0]) * 1000 / n,
             "cpu_child_ms": (cpu1[1] - cpu0[1]) * 1000 / n,
+            "cpu_redis_ms": (redis1 - redis0) * 1000 / n,
         }
     finally:
         if proc is not None:
             stop_worker(proc)
         servers.close()
         shutil.rmtree(counts, ignore_errors=True)
+
+
+#: ``TP_TAKE_APART`` setups of ``_throughput_app``: each leaves one part of the plugins out.
+TAKE_APART = ("no-steps", "plain-backend", "empty-scripts", "no-commands")
+
+
+def take_apart(pools: list[str], n: int, repeat: int, workdir: Path) -> None:
+    """What each part of the plugins costs: stock, the plugins, and the plugins with one part
+    left out, interleaved, on a Redis broker (medians of ``repeat`` runs)."""
+    rows = [("stock", ""), ("plugins", ""), *(("plugins", what) for what in TAKE_APART)]
+    print("# Taken apart (diagnostics: each setup leaves one part out and breaks guarantees)\n")
+    for pool in pools:
+        rates: dict[str, list[float]] = {}
+        for _ in range(repeat):
+            for mode, what in rows:
+                env = {"TP_TAKE_APART": what} if what else None
+                rate = timed(Setup("redis", pool, mode), n, workdir, env)
+                rates.setdefault(what or mode, []).append(rate)
+                print(f"  redis/{pool}/{what or mode:<14} {rate:8.1f} tasks/s", flush=True)
+        stock = statistics.median(rates["stock"])
+        print()
+        print("| pool | setup | tasks/s (median) | ratio vs stock |")
+        print("|---|---|---|---|")
+        for label, got in rates.items():
+            median = statistics.median(got)
+            print(f"| {pool} | {label} | {median:.0f} | {median / stock:.2f} |")
+        print()
 
 
 def _port(url: str) -> int:
@@ -277,8 +317,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pools", default="prefork,threads")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--quick", action="store_true", help="300 tasks, one repeat")
+    parser.add_argument("--take-apart", action="store_true",
+                        help="only the diagnostic runs leaving one part of the plugins out")
     args = parser.parse_args(argv)
     n, repeat = (300, 1) if args.quick else (args.tasks, args.repeat)
+    if args.take_apart:
+        workdir = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+        take_apart(args.pools.split(","), n, repeat, workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
+        return 0
     brokers = [b for b in args.brokers.split(",") if b]
     if "rabbitmq" in brokers:
         probe = make_rabbit_vhost()
@@ -315,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     print("# Where the time goes: per task, on a warm worker (broker, backend and lease "
           "store on separate servers)\n")
     print("| broker | pool | setup | broker RT main/child | backend RT main/child "
-          "| lease RT main/child | CPU main ms | CPU children ms |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| lease RT main/child | CPU main ms | CPU children ms | CPU redis ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for broker in brokers:
         for pool in args.pools.split(","):
             for mode in MODES:
@@ -328,23 +375,24 @@ def main(argv: list[str] | None = None) -> int:
 
                 broker_rt = pair("broker") if broker == "redis" else "(amqp)"
                 print(f"| {broker} | {pool} | {mode} | {broker_rt} | {pair('backend')} | "
-                      f"{pair('lease')} | {p['cpu_main_ms']:.2f} | {p['cpu_child_ms']:.2f} |",
-                      flush=True)
+                      f"{pair('lease')} | {p['cpu_main_ms']:.2f} | {p['cpu_child_ms']:.2f} | "
+                      f"{p['cpu_redis_ms']:.2f} |", flush=True)
     if "redis" not in brokers:
         shutil.rmtree(workdir, ignore_errors=True)
         return 0
     print()
     print("# The same on one server (as timed): every round trip counted under the broker, "
           "claims and ends riding in the broker's own\n")
-    print("| broker | pool | setup | all RT main/child | CPU main ms | CPU children ms |")
-    print("|---|---|---|---|---|---|")
+    print("| broker | pool | setup | all RT main/child | CPU main ms | CPU children ms "
+          "| CPU redis ms |")
+    print("|---|---|---|---|---|---|---|")
     for pool in args.pools.split(","):
         for mode in MODES:
             p = profile(Setup("redis", pool, mode), n, workdir, separate=False)
             rt = p["rt"]
             print(f"| redis | {pool} | {mode} | {rt['broker:main']:.2f} / "
                   f"{rt['broker:child']:.2f} | {p['cpu_main_ms']:.2f} | "
-                  f"{p['cpu_child_ms']:.2f} |", flush=True)
+                  f"{p['cpu_child_ms']:.2f} | {p['cpu_redis_ms']:.2f} |", flush=True)
     shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
