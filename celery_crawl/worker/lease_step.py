@@ -63,8 +63,9 @@ class LeaseStep(bootsteps.StartStopStep):
         #: The consumer step of this worker (it registers itself when the consumer is built).
         self.claim_step: ClaimStep | None = None
         self._closed = False
-        # Before the pool forks (our start runs after it), so every child inherits the path.
-        finishing.setup()
+        # Before the pool forks (our start runs after it), so every child inherits the path; a
+        # threads pool runs its tasks here, and keeps its marks in memory.
+        finishing.setup(in_process=self.pool_name == "threads")
         w.crawl_lease = self
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -313,17 +313,19 @@ def test_a_redis_broker_restart_does_not_stop_the_worker(
         assert proc.alive() and "Unrecoverable error" not in proc.log()
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_task_that_finished_during_a_whole_store_outage_is_not_run_again(
-    redis_srv: RedisServer, fresh_redis: RedisServer, tmp_path: Path,
+    redis_srv: RedisServer, fresh_redis: RedisServer, tmp_path: Path, pool: str,
 ) -> None:
     """One Redis is lease store, broker and (audited) result backend, and it freezes
     (SIGSTOP) just as a task's body returns: the result write blocks, the worker loses its
     lease. The body's work is done, so the run is kept rather than cancelled; when the store
     answers again its result is written and acked before the reaper's grace ends, and the task
-    never runs a second time."""
+    never runs a second time. A prefork child marks the body's return in a file, a threads
+    pool in the worker's memory."""
     combo = Combo(broker=fresh_redis.url_db(1),
                   backend=fresh_redis.url_db(2).replace("redis://", "crawlredis://"),
-                  lease=fresh_redis.url_db(0), sink=redis_srv.url_db(3), pool="prefork",
+                  lease=fresh_redis.url_db(0), sink=redis_srv.url_db(3), pool=pool,
                   # The blocked result write times out and waits 3 s before its retry, so the
                   # loss handler runs while the finished run is still writing its result.
                   extra_env={"CRAWL_T_BACKEND_TIMEOUT": "1"})
