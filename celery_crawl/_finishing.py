@@ -36,111 +36,148 @@ import tempfile
 __all__ = ["clear", "finished", "handed_off", "mark", "mark_handoff", "setup", "take",
            "teardown"]
 
-_dir: str | None = None
-#: The marks of a pool that runs in this process (``setup(in_process=True)``), else None.
-_finished: set[str] | None = None
-_handoffs: set[str] | None = None
+
+class _FileMarks:
+    """Marks as empty files in ``dir`` (a prefork pool: children are other processes)."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+
+    def _path(self, task_id: str) -> str:
+        digest = hashlib.sha256(task_id.encode("utf-8", "replace")).hexdigest()
+        return os.path.join(self.dir, digest)
+
+    @staticmethod
+    def _touch(path: str) -> None:
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+
+    def mark(self, task_id: str) -> None:
+        self._touch(self._path(task_id))
+
+    def mark_handoff(self, task_id: str) -> None:
+        self._touch(self._path(task_id) + ".handoff")
+
+    def finished(self, task_id: str) -> bool:
+        return os.path.exists(self._path(task_id))
+
+    def handed_off(self, task_id: str) -> bool:
+        return os.path.exists(self._path(task_id) + ".handoff")
+
+    def clear(self, task_id: str) -> None:
+        path = self._path(task_id)
+        for each in (path, path + ".handoff"):
+            with contextlib.suppress(OSError):
+                os.unlink(each)
+
+    def take(self, task_id: str) -> bool:
+        path = self._path(task_id)
+        try:
+            os.unlink(path + ".handoff")
+            handoff = True
+        except FileNotFoundError:
+            handoff = False
+        except OSError:
+            handoff = os.path.exists(path + ".handoff")
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return handoff
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _path(task_id: str) -> str | None:
-    if _dir is None:
-        return None
-    return os.path.join(_dir, hashlib.sha256(task_id.encode("utf-8", "replace")).hexdigest())
+class _MemoryMarks:
+    """Marks as two sets (a threads pool: its tasks run in this process). Each operation is one
+    set call, atomic under the GIL, so a mark made on a pool thread is seen or kept whole."""
+
+    def __init__(self) -> None:
+        self._finished: set[str] = set()
+        self._handoffs: set[str] = set()
+
+    def mark(self, task_id: str) -> None:
+        self._finished.add(task_id)
+
+    def mark_handoff(self, task_id: str) -> None:
+        self._handoffs.add(task_id)
+
+    def finished(self, task_id: str) -> bool:
+        return task_id in self._finished
+
+    def handed_off(self, task_id: str) -> bool:
+        return task_id in self._handoffs
+
+    def clear(self, task_id: str) -> None:
+        self._finished.discard(task_id)
+        self._handoffs.discard(task_id)
+
+    def take(self, task_id: str) -> bool:
+        self._finished.discard(task_id)
+        try:
+            self._handoffs.remove(task_id)
+        except KeyError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._finished.clear()
+        self._handoffs.clear()
+
+
+#: This worker's marks (None outside a worker: marks are then ignored).
+_marks: _FileMarks | _MemoryMarks | None = None
 
 
 def setup(*, in_process: bool = False) -> str | None:
     """Make this worker's marks (main process, before the pool starts): sets in memory when the
     pool runs in this process, else a directory the pool's children inherit (its path)."""
-    global _dir, _finished, _handoffs
+    global _marks
     if in_process:
-        _finished, _handoffs = set(), set()
+        teardown()
+        _marks = _MemoryMarks()
         return None
-    if _dir is None or not os.path.isdir(_dir):
-        root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        _dir = tempfile.mkdtemp(prefix=f"crawl-finishing-{os.getpid()}-", dir=root)
-    return _dir
+    if isinstance(_marks, _FileMarks) and os.path.isdir(_marks.dir):
+        return _marks.dir
+    teardown()
+    root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    _marks = _FileMarks(tempfile.mkdtemp(prefix=f"crawl-finishing-{os.getpid()}-", dir=root))
+    return _marks.dir
 
 
 def teardown() -> None:
     """Remove the marks (worker shutdown)."""
-    global _dir, _finished, _handoffs
-    _finished = _handoffs = None
-    path, _dir = _dir, None
-    if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _touch(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    global _marks
+    marks, _marks = _marks, None
+    if marks is not None:
+        marks.close()
 
 
 def mark(task_id: str) -> None:
     """The body of ``task_id`` returned; its result is about to be written (pool child)."""
-    if _finished is not None:
-        _finished.add(task_id)
-        return
-    path = _path(task_id)
-    if path is not None:
-        _touch(path)
+    if _marks is not None:
+        _marks.mark(task_id)
 
 
 def finished(task_id: str) -> bool:
-    if _finished is not None:
-        return task_id in _finished
-    path = _path(task_id)
-    return path is not None and os.path.exists(path)
+    return _marks is not None and _marks.finished(task_id)
 
 
 def mark_handoff(task_id: str) -> None:
     """The run of ``task_id`` published the next run of its id (pool child)."""
-    if _handoffs is not None:
-        _handoffs.add(task_id)
-        return
-    path = _path(task_id)
-    if path is not None:
-        _touch(path + ".handoff")
+    if _marks is not None:
+        _marks.mark_handoff(task_id)
 
 
 def handed_off(task_id: str) -> bool:
-    if _handoffs is not None:
-        return task_id in _handoffs
-    path = _path(task_id)
-    return path is not None and os.path.exists(path + ".handoff")
+    return _marks is not None and _marks.handed_off(task_id)
 
 
 def clear(task_id: str) -> None:
-    if _finished is not None and _handoffs is not None:
-        _finished.discard(task_id)
-        _handoffs.discard(task_id)
-        return
-    path = _path(task_id)
-    if path is not None:
-        for each in (path, path + ".handoff"):
-            with contextlib.suppress(OSError):
-                os.unlink(each)
+    if _marks is not None:
+        _marks.clear(task_id)
 
 
 def take(task_id: str) -> bool:
     """Whether the run of ``task_id`` handed its id on, clearing both of its marks: what every
-    end of a delivery does, in two file operations (a stat and two unlinks otherwise)."""
-    if _finished is not None and _handoffs is not None:
-        _finished.discard(task_id)
-        try:
-            _handoffs.remove(task_id)  # one step: a concurrent mark is either seen or kept
-        except KeyError:
-            return False
-        return True
-    path = _path(task_id)
-    if path is None:
-        return False
-    try:
-        os.unlink(path + ".handoff")
-        handoff = True
-    except FileNotFoundError:
-        handoff = False
-    except OSError:
-        handoff = os.path.exists(path + ".handoff")
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-    return handoff
+    end of a delivery does (with files, two unlinks rather than a stat and two unlinks)."""
+    return _marks is not None and _marks.take(task_id)

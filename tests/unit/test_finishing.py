@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -56,7 +55,7 @@ def test_marks_made_on_pool_threads_are_seen_by_the_main_thread(marks: str) -> N
     assert all(finishing.finished(i) for i in ids)
 
 
-def test_a_pool_in_this_process_keeps_its_marks_without_files(tmp_path: Path) -> None:
+def test_a_pool_in_this_process_keeps_its_marks_without_files() -> None:
     """A threads pool runs its tasks in the worker's process: no directory, no file operation
     per task (each releases the GIL the loop and the pool threads share)."""
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
@@ -68,7 +67,7 @@ def test_a_pool_in_this_process_keeps_its_marks_without_files(tmp_path: Path) ->
         assert finishing.finished("t1") and finishing.handed_off("t1")
         after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
         assert not {n for n in after - before if n.startswith("crawl-finishing-")}
-        assert finishing._dir is None
+        assert not isinstance(finishing._marks, finishing._FileMarks)
     finally:
         finishing.teardown()
     assert not finishing.finished("t1")  # gone with the worker
