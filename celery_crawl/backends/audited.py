@@ -62,6 +62,7 @@ from kombu.utils.encoding import bytes_to_str
 from redis import exceptions as redis_errors
 
 from .. import _finishing as finishing
+from .. import _issued as issued
 from .._celery_compat import call_task_errbacks, fail_chain, max_value_size, result_meta
 from ..config import CrawlConfig, mask_url
 from ..errors import (
@@ -612,11 +613,17 @@ class AuditedRedisBackend(RedisBackend):
     def _run_store(self, keys: list[str], args: list[Any]) -> Any:
         token = args[3]
         if args[9] == "1" and token and not int(token) <= self._issued_floor:
-            # The script must not read the counter (an undeclared key; see store.lua): it is
-            # read here first. Tokens at or below a counter value seen before need no read.
-            raw = self.client.get(args[11])
-            if raw is not None and bytes_to_str(raw).isdigit():
-                self._issued_floor = max(self._issued_floor, int(bytes_to_str(raw)))
+            if issued.vouched():
+                # A worker with the plugins: its requests' tokens are issued claims'
+                # (``_issued.py``), so the counter is at least this token.
+                self._issued_floor = int(token)
+            else:
+                # The script must not read the counter (an undeclared key; see store.lua): it
+                # is read here first. Tokens at or below a counter value seen before need no
+                # read.
+                raw = self.client.get(args[11])
+                if raw is not None and bytes_to_str(raw).isdigit():
+                    self._issued_floor = max(self._issued_floor, int(bytes_to_str(raw)))
         return self._store_script(keys=keys, args=[*args[:11], str(self._issued_floor)],
                                   client=self.client)
 

@@ -39,6 +39,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .. import _celery_compat as compat
 from .. import _finishing as finishing
+from .. import _issued as issued
 from .. import keys, metrics
 from ..config import CrawlConfig
 from ..errors import LeaseLost, PoisonMessage, StoreError
@@ -85,6 +86,8 @@ class ClaimStep(bootsteps.StartStopStep):
         # The worker step is built before the consumer (Celery's Consumer step comes last).
         self.lease_step: LeaseStep = c.controller.crawl_lease
         self.lease_step.claim_step = self
+        # Every request of this worker gets its claim token from here (``_issued.py``).
+        issued.vouch()
         self.book = ClaimBook()
         self.backlog = Backlog()
         self.claimer: Claimer | None = None
@@ -374,7 +377,13 @@ class ClaimStep(bootsteps.StartStopStep):
                                    callbacks: Any, **kwargs: Any) -> Any:
             headers = message.headers if isinstance(message.headers, dict) else None
             if headers is None or "id" not in headers:
-                # Task protocol 1: headers carry no id; run unprotected (logged once per task).
+                # Task protocol 1: headers carry no id; run unprotected (logged once per task),
+                # and without a claim token: Celery builds its request from the body and the
+                # headers, so neither may bring one in.
+                if headers is not None:
+                    headers.pop(CLAIM_HEADER, None)
+                if isinstance(body, dict):
+                    body.pop(CLAIM_HEADER, None)
                 if task_name not in step._unprotected:
                     step._unprotected.add(task_name)
                     logger.warning("celery-crawl: %s arrived in task protocol 1; it runs without "

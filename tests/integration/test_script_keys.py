@@ -33,7 +33,10 @@ class Monitor:
     def __init__(self, server: RedisServer) -> None:
         self.lines: list[str] = []
         self._stop = threading.Event()
-        self._client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=0.5)
+        # No read timeout: redis-py drops a connection whose read timed out, which would end
+        # the MONITOR during a quiet spell; ``stop`` kills the connection instead.
+        self._client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=None,
+                                   socket_connect_timeout=5)
         self._thread = threading.Thread(target=self._read, daemon=True)
 
     def _read(self) -> None:
@@ -41,8 +44,8 @@ class Monitor:
             while not self._stop.is_set():
                 try:
                     raw = mon.connection.read_response()
-                except redis.TimeoutError:
-                    continue
+                except (redis.ConnectionError, AttributeError):  # killed by ``stop``
+                    return
                 self.lines.append(raw.decode() if isinstance(raw, bytes) else str(raw))
 
     def start(self, probe: redis.Redis) -> Monitor:
@@ -59,6 +62,9 @@ class Monitor:
     def stop(self, probe: redis.Redis) -> None:
         self.sync(probe)
         self._stop.set()
+        for client in probe.client_list():
+            if "O" in str(client.get("flags", "")):  # a MONITOR connection
+                probe.client_kill_filter(_id=client["id"])
         self._thread.join(5)
 
 

@@ -102,6 +102,24 @@ def test_forged_claim_token_in_a_protocol_1_message(fleet: dict[str, Any]) -> No
     assert seen["token"] != FORGED and seen["claim"] != FORGED, seen
 
 
+def test_forged_claim_token_in_a_protocol_1_body(fleet: dict[str, Any]) -> None:
+    """A hand-made protocol-1 message carrying the token in its body and its headers (Celery
+    builds a protocol-1 request from both): neither reaches the task, whose writes the backend
+    then trusts (``_issued.py``)."""
+    client: Celery = fleet["client"]
+    task_id = str(uuid.uuid4())
+    body = {"task": "sec.echo", "id": task_id, "args": [], "kwargs": {},
+            "crawl_claim_token": FORGED}
+    with client.producer_or_acquire() as producer:
+        producer.publish(body, exchange="", routing_key="celery", serializer="json",
+                         headers={"crawl_claim_token": FORGED})
+    try:
+        seen = dict(client.AsyncResult(task_id).get(timeout=RESULT_TIMEOUT_S))
+    except Exception:  # refused or not run: acceptable
+        return
+    assert seen["token"] != FORGED and seen["claim"] != FORGED, seen
+
+
 @pytest.mark.parametrize("value", ["garbage", 1e300, "0001-01-01T00:00:00+01:00", [1, 2],
                                    {"$ne": None}, 2**70])
 def test_hostile_deadline_fails_at_most_its_own_task(fleet: dict[str, Any], value: Any) -> None:

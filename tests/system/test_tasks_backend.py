@@ -16,6 +16,7 @@ from celery.app.task import Context
 
 from celery_crawl.backends.audit import history, verify
 from celery_crawl.tasks import ROLLBACK_FAILED, ROLLED_BACK, deadline_headers
+from tests.integration.test_script_keys import Monitor
 from tests.procs import Proc, worker_args
 from tests.servers import RedisServer, wait_until
 from tests.system import tasksapp
@@ -267,6 +268,47 @@ def test_worker_plugin_tokens_and_poison_rollback(stack, tmp_path: Path) -> None
         assert last.token is not None and last.token > token
     finally:
         worker.stop()
+
+
+def test_a_plugin_worker_writes_results_without_reading_the_token_counter(
+        stack, tmp_path: Path) -> None:
+    """The lease store shares the backend's server, so the backend checks that result tokens
+    were issued. A worker with the plugins sets every request's token from an issued claim
+    (``_issued.py``): its writes need no read of the counter, while a write from elsewhere
+    still gets one, and a forged token from elsewhere is still refused."""
+    server, _ = stack
+    backend = tasksapp.app.backend
+    assert backend.checks_token_issuance
+    counter = backend.token_counter_key
+    queue = f"vouch-{_name()}"
+    worker = _start_worker(server.port, tmp_path, "vouch", concurrency=2, queues=queue,
+                           plugin=True)
+    probe = server.client()
+    mon = Monitor(server).start(probe)
+    try:
+        results = [tasksapp.claim_token.apply_async(queue=queue) for _ in range(6)]
+        tokens = [r.get(timeout=60) for r in results]
+        assert all(isinstance(t, int) for t in tokens), tokens
+        mon.sync(probe)
+        reads_by_worker = [x for x in mon.lines if _reads(x, counter)]
+        # A write from this (unvouched) process reads the counter, and refuses a forged token.
+        forged = f"forged-{_name()}"
+        backend.store_result(forged, 1, "SUCCESS",
+                             request=Context(crawl_claim_token=max(tokens) + 10**6))
+    finally:
+        mon.stop(probe)
+        worker.stop()
+    assert reads_by_worker == [], reads_by_worker[:3]
+    assert any(_reads(x, counter) for x in mon.lines)
+    assert history(backend, forged)[-1].outcome == "refused-unissued"
+    written = [history(backend, r.id)[-1] for r in results]
+    assert [(w.outcome, w.token) for w in written] == [("written", t) for t in tokens], written
+
+
+def _reads(monitor_line: str, key: str) -> bool:
+    """A client's own GET of ``key`` (not one a script makes: the claim script reads the
+    counter it increments)."""
+    return f'"GET" "{key}"' in monitor_line and " lua]" not in monitor_line
 
 
 @pytest.mark.parametrize("plugin", [False, True], ids=["visibility-timeout", "worker-plugin"])
