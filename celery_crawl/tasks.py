@@ -45,7 +45,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import before_task_publish
 
 from . import _finishing as finishing
-from .backends.audited import AuditedRedisBackend, _claim_token, parse_token
+from .backends.audited import GUARD_ATTR, AuditedRedisBackend, _claim_token, parse_token
 from .backends.ledger import Decision, Heartbeat, KeyLedger
 from .errors import (
     AbandonedRun,
@@ -339,17 +339,40 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # The body has returned: what is left is bookkeeping on the result backend, so a
             # lease loss from here on keeps this run instead of killing it (_finishing.py).
             finishing.mark(str(request.id))
-            if heartbeat.fenced or not ledger.touch(run_id):
-                fenced = FencedError(
-                    f"task {request.id}: idempotency key {ledger.key!r} was taken over by a "
-                    "newer run while this one ran; its result is discarded")
-                outcome = self._roll_back(ledger, run_id, tok, fenced, args, kwargs, final=False)
-                if outcome:
-                    request.crawl_rollback = outcome
-                raise fenced
+            if heartbeat.fenced:
+                raise self._fenced(ledger, run_id, tok, args, kwargs)
+            if self._write_checks_key(request):
+                # Nothing is published before the result write: it checks the key itself.
+                setattr(request, GUARD_ATTR, _Guard(self, ledger, run_id, tok, args, kwargs))
+            elif not ledger.touch(run_id):
+                raise self._fenced(ledger, run_id, tok, args, kwargs)
             return result
         finally:
             heartbeat.stop()
+
+    def _write_checks_key(self, request: Any) -> bool:
+        """Whether the SUCCESS write can be this run's last check that it owns its key.
+
+        Celery publishes a run's callbacks and the rest of its chain after the body, before
+        it writes the result; a run with either checks first (``ledger.touch``), so that a
+        fenced run publishes nothing. Without them the write is the next thing the run does,
+        and ``store.lua`` checks ownership atomically with it (one round trip fewer).
+        """
+        return not (request.callbacks or request.chain or self.ignore_result
+                    or getattr(request, "ignore_result", False))
+
+    def _fenced(self, ledger: KeyLedger, run_id: str, tok: str, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> FencedError:
+        """This run lost its key to a newer one: roll its own effects back (at most once);
+        the error it fails with."""
+        request = self.request
+        fenced = FencedError(
+            f"task {request.id}: idempotency key {ledger.key!r} was taken over by a "
+            "newer run while this one ran; its result is discarded")
+        outcome = self._roll_back(ledger, run_id, tok, fenced, args, kwargs, final=False)
+        if outcome:
+            request.crawl_rollback = outcome
+        return fenced
 
     def _undo_abandoned(self, ledger: KeyLedger, run_id: str, decision: Decision,
                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -578,6 +601,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
                           crawl_claim_token=token, crawl_rollback=outcome, hostname=hostname)
         backend.mark_as_failure(task_id, exc, request=request)
         return outcome
+
+
+class _Guard:
+    """``WriteGuard`` of one run (``IdempotentTask._write_checks_key``)."""
+
+    def __init__(self, task: IdempotentTask, ledger: KeyLedger, run_id: str, tok: str,
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.record_key = ledger.record_key
+        self.run_id = run_id
+        self._fail = lambda: task._fenced(ledger, run_id, tok, args, kwargs)
+
+    def fenced(self) -> BaseException:
+        return self._fail()
 
 
 def _poison_error(reason: str) -> CrawlError:

@@ -52,12 +52,13 @@ import ssl
 from collections.abc import Callable, Iterator
 from functools import cached_property
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from celery import states
 from celery.backends.redis import RedisBackend
 from celery.exceptions import BackendStoreError
+from kombu.exceptions import EncodeError
 from kombu.utils.encoding import bytes_to_str
 from redis import exceptions as redis_errors
 
@@ -67,6 +68,7 @@ from .._celery_compat import call_task_errbacks, fail_chain, max_value_size, res
 from ..config import CrawlConfig, mask_url
 from ..errors import (
     ConfigError,
+    FencedError,
     SerializationRefused,
     StoreDataError,
     StoreError,
@@ -76,10 +78,13 @@ from ..errors import (
 from ..leases.redis import token_counter_key
 
 __all__ = [
+    "GUARD_ATTR",
     "MAX_TOKEN",
     "OUTCOMES",
     "REFUSED_ATTR",
     "AuditedRedisBackend",
+    "FencedWrite",
+    "WriteGuard",
     "audit_stream_key",
     "parse_token",
     "refusal_reason",
@@ -89,7 +94,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Outcomes recorded in the audit stream.
-OUTCOMES = ("written", "refused-stale", "refused-regression", "refused-unissued", "forgotten")
+OUTCOMES = ("written", "refused-stale", "refused-regression", "refused-unissued",
+            "refused-fenced", "forgotten")
 
 _SCHEMES = {"crawlredis": "redis", "crawlrediss": "rediss", "cluster": "redis"}
 _FENCE_PREFIX = "crawl-fence-"
@@ -97,6 +103,41 @@ _IDEM_PREFIX = "crawl-idem:"
 _FORGOTTEN = "FORGOTTEN"
 #: Request attribute set when this backend refused the request's ready write.
 REFUSED_ATTR = "crawl_refused"
+#: Request attribute an ``IdempotentTask`` run sets to have its SUCCESS write check that it
+#: still owns its idempotency key (``WriteGuard``).
+GUARD_ATTR = "crawl_idem_guard"
+
+
+class WriteGuard(Protocol):
+    """The ownership an ``IdempotentTask`` run's SUCCESS write must still have.
+
+    A run that publishes nothing between its body and its result write (no callbacks, no
+    chain) leaves its last ownership check to the write itself (``store.lua``, ``KEYS[4]``),
+    which makes the check atomic with the write and saves the run a round trip of its own.
+    """
+
+    record_key: str
+    run_id: str
+
+    def fenced(self) -> BaseException:
+        """Handle the refusal (roll this run's effects back): the exception it fails with."""
+
+
+class FencedWrite(FencedError, EncodeError):
+    """A run's SUCCESS write was refused because a newer run owns its idempotency key.
+
+    Raised from ``mark_as_done``. Celery's tracer treats an ``EncodeError`` from there as the
+    task's failure (FAILURE stored, ``on_failure``, errbacks), anything else as an internal
+    error; the failure is stored as ``fenced``, the ``FencedError`` the run would have raised
+    had it found the key gone before its write.
+    """
+
+    def __init__(self, fenced: BaseException) -> None:
+        super().__init__(str(fenced))
+        self.fenced = fenced
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.fenced,))
 
 
 def result_digest(encoded_meta: str | bytes) -> str:
@@ -537,13 +578,17 @@ class AuditedRedisBackend(RedisBackend):
         token = _claim_token(request)
         worker = getattr(request, "hostname", None) if request is not None else None
         rollback = getattr(request, "crawl_rollback", None) if request is not None else None
+        guard = (getattr(request, GUARD_ATTR, None)
+                 if request is not None and state == states.SUCCESS else None)
         expires = self.failure_expires if state == states.FAILURE else self.expires
         outcome = self.write_state(
             task_id, value, state, token=token, digest=digest, worker=worker or "",
-            rollback=rollback or "", expires_s=int(expires or 0))
+            rollback=rollback or "", expires_s=int(expires or 0),
+            guard=(guard.record_key, guard.run_id) if guard is not None else None)
         if outcome != "written":
             logger.warning("result of task %s (%s, token %s) %s", task_id, state, token, outcome)
-            if request is not None and token is not None and state in states.READY_STATES:
+            if request is not None and (token is not None or guard is not None) and (
+                    state in states.READY_STATES):
                 with contextlib.suppress(AttributeError, TypeError):
                     setattr(request, REFUSED_ATTR, outcome)
         return result
@@ -564,9 +609,17 @@ class AuditedRedisBackend(RedisBackend):
 
     def mark_as_done(self, task_id: str, result: Any, request: Any = None,
                      store_result: bool = True, state: str = states.SUCCESS) -> None:
-        """Celery's, except that a refused (stale) run is not counted into its chord."""
+        """Celery's, except that a refused (stale) run is not counted into its chord, and
+        that a run whose key was taken over fails (``FencedWrite``)."""
         if store_result and not (request is not None and request.ignore_result):
             self.store_result(task_id, result, state, request=request)
+            guard = getattr(request, GUARD_ATTR, None) if request is not None else None
+            if guard is not None:
+                setattr(request, GUARD_ATTR, None)
+                if self.refused(request) == "refused-fenced":
+                    # The FAILURE write that follows is judged on its own.
+                    setattr(request, REFUSED_ATTR, None)
+                    raise FencedWrite(guard.fenced())
             if self._stale(task_id, request, "its chord part"):
                 return
         if request and request.chord:
@@ -577,6 +630,8 @@ class AuditedRedisBackend(RedisBackend):
                         call_errbacks: bool = True, state: str = states.FAILURE) -> None:
         """Celery's, except that a refused (stale) run has no side effects: no chord part,
         no FAILURE of the rest of its chain, no errbacks."""
+        if isinstance(exc, FencedWrite):
+            exc = exc.fenced
         if store_result:
             self.store_result(task_id, exc, state, traceback=traceback, request=request)
             if self._stale(task_id, request, "its chord part, chain failure or errbacks"):
@@ -591,12 +646,13 @@ class AuditedRedisBackend(RedisBackend):
 
     def write_state(self, task_id: str, value: str, state: str, *, token: int | None,
                     digest: str, worker: str = "", rollback: str = "",
-                    expires_s: int = 0) -> str:
+                    expires_s: int = 0, guard: tuple[str, str] | None = None) -> str:
         """Run the store script (one round trip, retried on connection errors).
 
         Returns:
             The audited outcome: ``written``, ``refused-stale``, ``refused-regression`` or
-            ``refused-unissued``.
+            ``refused-unissued``; ``refused-fenced`` when ``guard`` (an idempotency key's
+            record, a run id) no longer holds: another run owns that key.
 
         Raises:
             StoreError: see ``ensure``.
@@ -607,10 +663,12 @@ class AuditedRedisBackend(RedisBackend):
                 "" if token is None else str(token), digest, expires_s,
                 self.crawl_config.audit_maxlen, worker, rollback,
                 "1" if self.checks_token_issuance else "0", task_id, self.token_counter_key]
-        reply = self.ensure(self._run_store, (keys, args))
+        if guard is not None:
+            keys.append(guard[0])
+        reply = self.ensure(self._run_store, (keys, args, guard[1] if guard else ""))
         return str(bytes_to_str(reply[0]))
 
-    def _run_store(self, keys: list[str], args: list[Any]) -> Any:
+    def _run_store(self, keys: list[str], args: list[Any], run_id: str = "") -> Any:
         token = args[3]
         if args[9] == "1" and token and not int(token) <= self._issued_floor:
             if issued.vouched():
@@ -624,7 +682,8 @@ class AuditedRedisBackend(RedisBackend):
                 raw = self.client.get(args[11])
                 if raw is not None and bytes_to_str(raw).isdigit():
                     self._issued_floor = max(self._issued_floor, int(bytes_to_str(raw)))
-        return self._store_script(keys=keys, args=[*args[:11], str(self._issued_floor)],
+        return self._store_script(keys=keys,
+                                  args=[*args[:11], str(self._issued_floor), run_id],
                                   client=self.client)
 
     def _forget(self, task_id: str) -> None:

@@ -1,12 +1,16 @@
 -- One state write of the audited result backend: precedence, fencing, SET with expiry, PUBLISH
 -- and the audit XADD, in one round trip.
 --
--- KEYS: 1 result key, 2 fence record (hash), 3 audit stream
+-- KEYS: 1 result key, 2 fence record (hash), 3 audit stream, 4 (optional) the record of the
+--       idempotency key the run owned (idem_begin.lua)
 -- ARGV: 1 encoded meta, 2 state, 3 ready ('1' | '0'), 4 claim token ('' = none), 5 digest,
 --       6 expiry seconds (0 = none), 7 stream MAXLEN (approximate), 8 worker, 9 rollback outcome,
 --       10 check token issuance ('1' | '0'), 11 task id, 12 the lease store's token counter as
 --       the caller read it (a GET before this script when the token is above every value it
---       read before; '0' = never read or missing)
+--       read before; '0' = never read or missing), 13 (with KEYS[4]) the run id that must still
+--       own the idempotency key: the SUCCESS of an IdempotentTask run that published nothing
+--       after its body (no callbacks, no chain) is written only if no newer run took its key
+--       over meanwhile; otherwise 'refused-fenced' (the run then rolls back and fails)
 -- The counter is read by the caller, not here: every key a script touches must be declared
 -- (Redis Cluster routes by them), and Redis's ACL treats every declared key as read-write,
 -- while the backend's user should only read the counter, so that it cannot forge it (%R~ in
@@ -17,6 +21,20 @@ local rkey, fkey, skey, counter = KEYS[1], KEYS[2], KEYS[3], ARGV[12]
 local value, state, ready, token, digest = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local expires, maxlen = tonumber(ARGV[6]), ARGV[7]
 local worker, rollback, check, task = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+
+local function audit(outcome)
+  redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', 'task', task, 'state', state,
+             'token', token, 'worker', worker, 'digest', digest, 'outcome', outcome,
+             'rollback', rollback)
+end
+
+-- A run that lost its idempotency key is refused before anything else: its write may equal the
+-- newer run's to the digest (a replay must not answer it), and it leaves the fence record alone
+-- (the newer run's retried write still gets its own first answer).
+if KEYS[4] and redis.call('HGET', KEYS[4], 'owner') ~= ARGV[13] then
+  audit('refused-fenced')
+  return {'refused-fenced', 0}
+end
 
 -- A retried write (celery's ensure() after a lost reply) gets the first answer, and no second
 -- audit record.
@@ -85,7 +103,5 @@ else
   if expires > 0 and redis.call('TTL', fkey) == -1 then redis.call('EXPIRE', fkey, expires) end
 end
 
-redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', 'task', task, 'state', state,
-           'token', token, 'worker', worker, 'digest', digest, 'outcome', outcome,
-           'rollback', rollback)
+audit(outcome)
 return {outcome, 0}

@@ -131,6 +131,22 @@ def suicide(self, name: str) -> None:
     os.kill(os.getpid(), 9)
 
 
+@app.task(bind=True, base=Recorded)
+def usurped(self, name: str) -> str:
+    """Records its effect, then loses its key as if a newer run had taken it over while this
+    one was frozen after its body (the owner changes before the run's last check)."""
+    side().rpush(f"runs:{name}", self.request.id)
+    record = self._ledger(self.idempotency_key((name,), {})).record_key
+    self.backend.client.hset(record, "owner", f"usurper-{name}")
+    return f"done:{name}"
+
+
+@app.task
+def linked(value: object, name: str) -> None:
+    """A link callback: records that it was published and ran."""
+    side().rpush(f"linked:{name}", repr(value))
+
+
 class Keyed(Recorded):
     def idempotency_key(self, args, kwargs):  # type: ignore[no-untyped-def]
         return f"keyed:{args[0]}"

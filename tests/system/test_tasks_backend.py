@@ -15,6 +15,7 @@ from celery import chain, chord, group
 from celery.app.task import Context
 
 from celery_crawl.backends.audit import history, verify
+from celery_crawl.errors import FencedError
 from celery_crawl.tasks import ROLLBACK_FAILED, ROLLED_BACK, deadline_headers
 from tests.integration.test_script_keys import Monitor
 from tests.procs import Proc, worker_args
@@ -348,6 +349,48 @@ def test_a_run_killed_after_its_effect_is_rolled_back_before_the_key_runs_again(
         victim.stop()
         if rescuer is not None:
             rescuer.stop()
+
+
+@pytest.mark.parametrize("callback", [False, True], ids=["checked-by-the-write", "touched"])
+def test_a_run_whose_key_was_taken_after_its_body_fails_and_rolls_back(
+        stack, callback: bool) -> None:
+    """The key changes owner between the body's return and the result write. Without
+    callbacks the SUCCESS write itself finds it (``refused-fenced``, no round trip of the run's
+    own); with a link callback the run checks before Celery publishes it, and publishes
+    nothing. Either way the run fails with ``FencedError`` after rolling its effects back once."""
+    server, _ = stack
+    name = _name()
+    link = tasksapp.linked.s(name) if callback else None
+    result = tasksapp.usurped.apply_async((name,), link=link)
+    with pytest.raises(FencedError, match="taken over by a newer run"):
+        result.get(timeout=TIMEOUT_S)
+    assert _list(server, f"rollbacks:{name}") == [result.id]
+    assert tasksapp.app.backend.get_task_meta(result.id, cache=False)["crawl_rollback"] == (
+        ROLLED_BACK)
+    audited = [(r.state, r.outcome) for r in history(tasksapp.app.backend, result.id)
+               if r.state != "STARTED"]
+    if callback:
+        assert audited == [("FAILURE", "written")], audited
+    else:
+        assert audited == [("SUCCESS", "refused-fenced"), ("FAILURE", "written")], audited
+    assert _list(server, f"linked:{name}") == []
+
+
+def test_an_idempotent_run_without_callbacks_makes_no_touch_round_trip(stack) -> None:
+    """The ownership check of a run that publishes nothing after its body rides in its
+    result write: the run's only own round trip is its begin."""
+    server, _ = stack
+    probe = server.client()
+    mon = Monitor(server).start(probe)
+    try:
+        results = [tasksapp.keyed.apply_async((_name(),)) for _ in range(4)]
+        for r in results:
+            r.get(timeout=TIMEOUT_S)
+    finally:
+        mon.stop(probe)
+    touches = [x for x in mon.lines if '"EVALSHA"' in x and '"touch"' in x]
+    assert touches == [], touches[:2]
+    assert sum('"EVALSHA"' in x for x in mon.lines) >= 8  # each run's begin and its write
 
 
 def test_a_frozen_run_is_fenced_and_rolls_back_its_own_effects(stack, tmp_path: Path) -> None:
