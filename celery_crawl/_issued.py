@@ -19,7 +19,7 @@ The module sits below ``worker`` and ``backends``, so neither imports the other 
 
 from __future__ import annotations
 
-__all__ = ["vouch", "vouched"]
+__all__ = ["unvouch", "vouch", "vouched"]
 
 _vouched = False
 
@@ -34,3 +34,9 @@ def vouch() -> None:
 def vouched() -> bool:
     """Whether the claim tokens of this process's task requests need no issuance check."""
     return _vouched
+
+
+def unvouch() -> None:
+    """The worker stopped: this process may now write for requests nobody vetted."""
+    global _vouched
+    _vouched = False

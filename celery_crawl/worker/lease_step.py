@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from celery import bootsteps, signals
 
 from .. import _finishing as finishing
+from .. import _issued as issued
 from .. import metrics, status
 from ..config import CrawlConfig
 from ..errors import StoreError
@@ -122,6 +123,7 @@ class LeaseStep(bootsteps.StartStopStep):
             with contextlib.suppress(StoreError):
                 self.store.close()
         finishing.teardown()
+        issued.unvouch()
 
     def _warn_acks_early(self) -> None:
         early = sorted(name for name, task in self.app.tasks.items()
