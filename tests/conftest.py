@@ -113,3 +113,14 @@ def rabbit_vhost() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def rabbit_url(rabbit_vhost: str) -> str:
     return f"amqp://guest:guest@127.0.0.1:5672/{rabbit_vhost}"
+
+
+@pytest.fixture(autouse=True)
+def _no_vouch_left_behind() -> Iterator[None]:
+    """A test that built a worker's steps in this process and did not release them must not
+    leave the process vouching for request tokens (``celery_crawl/_issued.py``): the tests
+    after it write results as a process outside any worker."""
+    yield
+    from celery_crawl import _issued
+
+    _issued.unvouch()

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -249,3 +250,44 @@ def delete_rabbit_vhost(vhost: str) -> None:
     ctl = shutil.which("rabbitmqctl") or "/usr/sbin/rabbitmqctl"
     with contextlib.suppress(subprocess.SubprocessError, OSError):
         subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60)
+
+
+class Monitor:
+    """``MONITOR`` lines of one server, read by a thread until ``stop()``."""
+
+    def __init__(self, server: RedisServer) -> None:
+        self.lines: list[str] = []
+        self._stop = threading.Event()
+        # No read timeout: redis-py drops a connection whose read timed out, which would end
+        # the MONITOR during a quiet spell; ``stop`` kills the connection instead.
+        self._client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=None,
+                                   socket_connect_timeout=5)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+
+    def _read(self) -> None:
+        with self._client.monitor() as mon:
+            while not self._stop.is_set():
+                try:
+                    raw = mon.connection.read_response()
+                except (redis.ConnectionError, AttributeError):  # killed by ``stop``
+                    return
+                self.lines.append(raw.decode() if isinstance(raw, bytes) else str(raw))
+
+    def start(self, probe: redis.Redis) -> Monitor:
+        self._thread.start()
+        self.sync(probe)
+        return self
+
+    def sync(self, probe: redis.Redis) -> None:
+        """Wait until every command sent before this call is in ``lines``."""
+        mark = f"monitor-mark-{uuid.uuid4().hex}"
+        wait_until(lambda: probe.echo(mark) and any(mark in x for x in self.lines), 10,
+                   what="MONITOR to show a marker")
+
+    def stop(self, probe: redis.Redis) -> None:
+        self.sync(probe)
+        self._stop.set()
+        for client in probe.client_list():
+            if "O" in str(client.get("flags", "")):  # a MONITOR connection
+                probe.client_kill_filter(_id=client["id"])
+        self._thread.join(5)

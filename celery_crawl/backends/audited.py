@@ -587,7 +587,7 @@ class AuditedRedisBackend(RedisBackend):
             guard=(guard.record_key, guard.run_id) if guard is not None else None)
         if outcome != "written":
             logger.warning("result of task %s (%s, token %s) %s", task_id, state, token, outcome)
-            if request is not None and (token is not None or guard is not None) and (
+            if request is not None and (token is not None or outcome == "refused-fenced") and (
                     state in states.READY_STATES):
                 with contextlib.suppress(AttributeError, TypeError):
                     setattr(request, REFUSED_ATTR, outcome)

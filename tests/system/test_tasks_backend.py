@@ -17,9 +17,8 @@ from celery.app.task import Context
 from celery_crawl.backends.audit import history, verify
 from celery_crawl.errors import FencedError
 from celery_crawl.tasks import ROLLBACK_FAILED, ROLLED_BACK, deadline_headers
-from tests.integration.test_script_keys import Monitor
 from tests.procs import Proc, worker_args
-from tests.servers import RedisServer, wait_until
+from tests.servers import Monitor, RedisServer, wait_until
 from tests.system import tasksapp
 
 pytestmark = pytest.mark.system
