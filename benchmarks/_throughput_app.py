@@ -11,10 +11,9 @@ One module serves every setup, chosen by the environment:
 * ``TP_TAKE_APART`` — diagnostic setups of ``throughput.py --take-apart`` that each leave one
   part of the plugins out (they break the guarantees and only say what each part costs):
   ``no-steps`` (the worker's lease and claim steps removed: only the audited backend is left),
-  ``plain-backend`` (the steps with the stock ``redis://`` backend), ``empty-scripts`` (claims
-  and ends built and sent as usual, but the scripts do nothing on the server: their server
-  time) and ``no-commands`` (claims and ends replaced by one trivial command each: the client's
-  cost of building, packing and reading them, plus the scripts' server time).
+  ``plain-backend`` (the steps with the stock ``redis://`` backend) and ``empty-scripts``
+  (claims and ends built and sent as usual, but the ridden scripts make only kombu's own writes
+  on the server: the claims' and ends' server time).
 """
 
 from __future__ import annotations
@@ -67,18 +66,24 @@ def _take_apart(what: str) -> None:
                 if str(getattr(step, "name", "")).startswith("celery_crawl."):
                     app.steps[group].discard(step)
     elif what == "empty-scripts":
+        # Only the broker's own writes that each ridden script makes first (ride_*.lua).
+        from importlib import resources
+
         claim, finish = RedisLeaseStore.claim_command, RedisLeaseStore.finish_command
+        pkg = resources.files("celery_crawl.leases")
         shas: dict[str, str] = {}
 
         def _shas(store: Any) -> dict[str, str]:
             if not shas:
-                shas["claim"] = store._client.script_load("return {1, redis.call('INCR', "
-                                                          "'tp:token')}")
-                shas["finish"] = store._client.script_load("return 1")
+                append = (pkg / "ride_append.lua").read_text()
+                ack = (pkg / "ride_ack.lua").read_text()
+                shas["claim"] = store._client.script_load(
+                    append + "\nreturn {1, redis.call('INCR', 'tp:token')}")
+                shas["finish"] = store._client.script_load(ack + "\nreturn 1")
             return shas
 
-        def empty_claim(self: Any, *args: Any) -> Any:
-            command, _ = claim(self, *args)
+        def empty_claim(self: Any, *args: Any, **kw: Any) -> Any:
+            command, _ = claim(self, *args, **kw)
             return ("EVALSHA", _shas(self)["claim"], *command[2:]), lambda r: int(r[1])
 
         def empty_finish(self: Any, *args: Any, **kw: Any) -> Any:
@@ -87,11 +92,6 @@ def _take_apart(what: str) -> None:
 
         RedisLeaseStore.claim_command = empty_claim  # type: ignore[method-assign]
         RedisLeaseStore.finish_command = empty_finish  # type: ignore[method-assign]
-    elif what == "no-commands":
-        RedisLeaseStore.claim_command = (  # type: ignore[method-assign]
-            lambda self, *a: (("INCR", "tp:token"), int))
-        RedisLeaseStore.finish_command = (  # type: ignore[method-assign]
-            lambda self, *a, **kw: (("PING",), lambda r: None))
     elif what not in ("", "plain-backend"):
         raise SystemExit(f"TP_TAKE_APART: unknown setup {what!r}")
 

@@ -278,7 +278,7 @@ def profile(setup: Setup, n: int, workdir: Path, *, separate: bool = True) -> di
 
 
 #: ``TP_TAKE_APART`` setups of ``_throughput_app``: each leaves one part of the plugins out.
-TAKE_APART = ("no-steps", "plain-backend", "empty-scripts", "no-commands")
+TAKE_APART = ("no-steps", "plain-backend", "empty-scripts")
 
 
 def take_apart(pools: list[str], n: int, repeat: int, workdir: Path) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 __all__ = [
     "BACKEND_OVERRIDES",
     "CHECKED_AGAINST",
+    "KOMBU_ERROR",
     "PRIVATE_NAMES",
     "call_task_errbacks",
     "cancel_quietly",
@@ -54,8 +55,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
         "_message", "_apply_result", "_already_cancelled", "_eta_timer_entry"),
     "kombu.message:Message": ("_state",),
     "kombu.transport.virtual.base:Message": ("_raw",),
-    "kombu.transport.redis:Channel": ("_q_for_pri",),
-    "kombu.transport.redis:QoS": ("pipe_or_acquire", "_remove_from_indices"),
+    "kombu.transport.redis:Channel": ("_q_for_pri", "_create_client"),
     "celery.backends.redis:RedisBackend": (
         "_fail_chain", "_call_task_errbacks", "_get_result_meta", "_MAX_STR_VALUE_SIZE"),
 }
@@ -71,9 +71,15 @@ _CLOSE_GUARD = "_crawl_close_guard"
 # Our own marker on a Redis channel's QoS whose appends and acks carry extra commands.
 _RIDE_MARK = "_crawl_ride"
 
-#: Commands to send in a broker round trip, and what to do with their replies (None: the round
-#: trip failed and its error is being raised).
-Ride = tuple[list[tuple[Any, ...]], Callable[[list[Any] | None], None]]
+#: One script call to make instead of kombu's own MULTI/EXEC round trip, and what to do with
+#: its reply (the reply; the error the server answered; None: the round trip failed and its
+#: error is being raised). The script makes kombu's writes first, from the keys and arguments
+#: the hook was given (``ride_redis_acks``).
+Ride = tuple[tuple[Any, ...], Callable[[Any], None]]
+
+#: Prefix of the error a ridden script answers when kombu's own writes in it failed (nothing
+#: else in it ran): raised to kombu's caller without the prefix, as kombu would have raised it.
+KOMBU_ERROR = "KOMBU "
 
 
 # -- app and tasks ---------------------------------------------------------------------------
@@ -173,64 +179,63 @@ def redis_channel_server(channel: Any) -> dict[str, Any] | None:
     return {k: kwargs.get(k) for k in ("host", "port", "db", "path")}
 
 
-def ride_redis_acks(channel: Any, on_append: Callable[[Any], Ride | None],
-                    on_ack: Callable[[Any], Ride | None]) -> None:
-    """Let the commands ``on_append(message)`` and ``on_ack(delivery_tag)`` return travel in
-    the MULTI/EXEC round trip kombu's Redis ``QoS`` already makes when it records a message as
-    unacked and when it acks one (``QoS.append`` and ``QoS.ack`` of kombu 5.7, re-done here
-    with the extra commands: before the ack's own, after the append's). Their replies go to
-    the ride's callback, also when the round trip fails (None), before kombu's error is
-    raised. A hook returning None leaves that call exactly as kombu makes it."""
+def ride_redis_acks(channel: Any,
+                    on_append: Callable[[Any, list[Any], list[Any]], Ride | None],
+                    on_ack: Callable[[Any, list[Any], list[Any]], Ride | None]) -> None:
+    """Let the script calls ``on_append(message, keys, args)`` and ``on_ack(delivery_tag, keys,
+    args)`` return replace the MULTI/EXEC round trip kombu's Redis ``QoS`` makes when it records
+    a message as unacked and when it acks one (``QoS.append`` and ``QoS.ack`` of kombu 5.7).
+
+    The hooks get kombu's writes as script keys and arguments, which the script they return
+    makes first: append ``keys = [unacked index, unacked hash]``, ``args = [delivery tag,
+    score, unacked entry]`` (``ZADD`` and ``HSET``, as kombu writes them); ack the same keys
+    and ``args = [delivery tag]`` (``ZREM`` and ``HDEL``). One command replaces four, in one
+    atomic script. The reply goes to the ride's callback, also when the round trip fails
+    (None), before kombu's error is raised. A script the server does not know (NOSCRIPT: it
+    made none of kombu's writes) is followed by kombu's own call. A hook returning None leaves
+    that call exactly as kombu makes it."""
     qos = channel.qos
     if getattr(qos, _RIDE_MARK, False):
         return
     from kombu.transport.virtual.base import QoS as VirtualQoS
     from kombu.utils.json import dumps
+    from redis.exceptions import NoScriptError, ResponseError
 
     plain_append, plain_ack = qos.append, qos.ack
+    # One client for every ridden call (kombu makes one per pipeline), on kombu's own pool.
+    client = channel._create_client()
+
+    def call(command: tuple[Any, ...], after: Callable[[Any], None]) -> bool:
+        """Send a ridden script; False when kombu's own call must follow (NOSCRIPT)."""
+        try:
+            reply = client.execute_command(*command)
+        except ResponseError as exc:
+            reply = exc
+        except BaseException:
+            after(None)
+            raise
+        after(reply)
+        if isinstance(reply, NoScriptError):
+            return False
+        if isinstance(reply, ResponseError) and str(reply).startswith(KOMBU_ERROR):
+            raise ResponseError(str(reply)[len(KOMBU_ERROR):])
+        return True
 
     def append(message: Any, delivery_tag: Any) -> None:
-        ride = on_append(message)
-        if ride is None:
+        info = message.delivery_info
+        ride = on_append(message, [qos.unacked_index_key, qos.unacked_key],
+                         [delivery_tag, time.time(),
+                          dumps([message._raw, info["exchange"], info["routing_key"]])])
+        if ride is None or not call(*ride):
             plain_append(message, delivery_tag)
             return
-        commands, after = ride
-        replies: list[Any] | None = None
-        info = message.delivery_info
-        try:
-            with qos.pipe_or_acquire() as pipe:
-                pipe.zadd(qos.unacked_index_key, {delivery_tag: time.time()})
-                pipe.hset(qos.unacked_key, delivery_tag,
-                          dumps([message._raw, info["exchange"], info["routing_key"]]))
-                for command in commands:
-                    pipe.execute_command(*command)
-                replies = pipe.execute(raise_on_error=False)
-        finally:
-            after(replies[2:] if replies is not None else None)
-        for reply in replies[:2]:
-            if isinstance(reply, Exception):
-                raise reply
         VirtualQoS.append(qos, message, delivery_tag)
 
     def ack(delivery_tag: Any) -> None:
-        ride = on_ack(delivery_tag)
-        if ride is None:
+        ride = on_ack(delivery_tag, [qos.unacked_index_key, qos.unacked_key], [delivery_tag])
+        if ride is None or not call(*ride):
             plain_ack(delivery_tag)
             return
-        commands, after = ride
-        n = len(commands)
-        replies: list[Any] | None = None
-        try:
-            with qos.pipe_or_acquire() as pipe:
-                for command in commands:
-                    pipe.execute_command(*command)
-                qos._remove_from_indices(delivery_tag, pipe)
-                replies = pipe.execute(raise_on_error=False)
-        finally:
-            after(replies[:n] if replies is not None else None)
-        for reply in replies[n:]:
-            if isinstance(reply, Exception):
-                raise reply
         VirtualQoS.ack(qos, delivery_tag)
 
     qos.append, qos.ack = append, ack

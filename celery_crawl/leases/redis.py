@@ -179,8 +179,14 @@ def _load_scripts() -> dict[str, _Script]:
         body = (pkg / f"{name}.lua").read_text(encoding="utf-8")
         scripts[name] = _Script(name, prelude + "\n" + body)
     guard = (pkg / "claim_guard.lua").read_text(encoding="utf-8")
-    scripts["claim_unless"] = _Script("claim_unless", "\n".join(
-        (prelude, guard, (pkg / "claim.lua").read_text(encoding="utf-8"))))
+    claim = (pkg / "claim.lua").read_text(encoding="utf-8")
+    scripts["claim_unless"] = _Script("claim_unless", "\n".join((prelude, guard, claim)))
+    # Riding (``claim_command``, ``finish_command``): the broker's own writes, then ours.
+    scripts["ride_claim"] = _Script("ride_claim", "\n".join(
+        (prelude, (pkg / "ride_append.lua").read_text(encoding="utf-8"), guard, claim)))
+    scripts["ride_finish"] = _Script("ride_finish", "\n".join(
+        (prelude, (pkg / "ride_ack.lua").read_text(encoding="utf-8"),
+         (pkg / "finish.lua").read_text(encoding="utf-8"))))
     return scripts
 
 
@@ -681,17 +687,22 @@ class RedisLeaseStore(StoreDriver):
         return reply
 
     def claim_command(self, lease: Lease, key: str, value: Mapping[str, Any],
-                      guarded: Sequence[tuple[str, str]]
+                      guarded: Sequence[tuple[str, str]], unacked: tuple[Sequence[Any],
+                                                                         Sequence[Any]]
                       ) -> tuple[tuple[Any, ...], Callable[[Any], int | CrawlError | None]]:
-        """``claim_unless_changed`` as a command for another client's pipeline to this server
-        (``shares_server``), and what its reply means: the token, None (held by a live
-        claim), or the error. A reply that needs the previous claimant's lease keys declared
-        is ``RecordChanged``: the caller decides that delivery by reading first."""
+        """``claim_unless_changed`` as the script call that replaces another client's round
+        trip to this server (``shares_server``), and what its reply means: the token, None
+        (held by a live claim), or the error. ``unacked`` are the broker's keys and arguments
+        of its unacked record of the delivery, written first (``ride_append.lua``). A reply
+        that needs the previous claimant's lease keys declared is ``RecordChanged``: the
+        caller decides that delivery by reading first."""
         keys, args = self._claim_unless_args(lease, key, value, guarded)
-        command = ("EVALSHA", self._sha("claim_unless"), len(keys), *keys, *args)
+        first_keys, first_args = unacked
+        command = ("EVALSHA", self._sha("ride_claim"), len(keys) + len(first_keys),
+                   *first_keys, *keys, *first_args, *args)
 
         def outcome(reply: Any) -> int | CrawlError | None:
-            got = self._ridden("claim_unless", reply)
+            got = self._ridden("ride_claim", reply)
             if isinstance(got, CrawlError):
                 return got
             if int(got[0]) == -2:
@@ -702,17 +713,21 @@ class RedisLeaseStore(StoreDriver):
         return command, outcome
 
     def finish_command(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                       ttl_s: float) -> tuple[tuple[Any, ...], Callable[[Any], CrawlError | None]]:
-        """``finish_claim`` as a command for another client's pipeline to this server, and
-        what its reply means (None when recorded, else the error)."""
-        keys = [self._k("rec", record), self._k("claim", key), self._k("claims-of", lease.name),
-                self._index_key]
-        args = [_dumps(value, record), self._ttl_ms(ttl_s, "ttl_s"), lease.name, lease.holder,
-                lease.token]
-        command = ("EVALSHA", self._sha("finish"), len(keys), *keys, *args)
+                       ttl_s: float, unacked: tuple[Sequence[Any], Sequence[Any]]
+                       ) -> tuple[tuple[Any, ...], Callable[[Any], CrawlError | None]]:
+        """``finish_claim`` as the script call that replaces another client's round trip to
+        this server, and what its reply means (None when recorded, else the error).
+        ``unacked`` are the broker's keys and arguments of its ack, made first
+        (``ride_ack.lua``)."""
+        first_keys, first_args = unacked
+        command = ("EVALSHA", self._sha("ride_finish"), 4 + len(first_keys), *first_keys,
+                   self._k("rec", record), self._k("claim", key),
+                   self._k("claims-of", lease.name), self._index_key, *first_args,
+                   _dumps(value, record), self._ttl_ms(ttl_s, "ttl_s"), lease.name,
+                   lease.holder, lease.token)
 
         def outcome(reply: Any) -> CrawlError | None:
-            got = self._ridden("finish", reply)
+            got = self._ridden("ride_finish", reply)
             return got if isinstance(got, CrawlError) else None
 
         return command, outcome

@@ -245,7 +245,8 @@ class ClaimStep(bootsteps.StartStopStep):
                 return
             self.store.drop_claim(current)
 
-    def _on_append(self, message: Any) -> Any:
+    def _on_append(self, message: Any, unacked_keys: list[Any], unacked_args: list[Any]
+                   ) -> Any:
         """kombu records ``message`` as unacked: its claim rides along (a task message of a
         registered task, under a held lease)."""
         riding = self._riding
@@ -262,11 +263,12 @@ class ClaimStep(bootsteps.StartStopStep):
                 or "id" not in headers or consumer is None
                 or headers.get("task") not in consumer.strategies):
             return None
-        return riding.claim(self._held(message, str(headers["task"])), lease)
+        return riding.claim(self._held(message, str(headers["task"])), lease, unacked_keys,
+                            unacked_args)
 
-    def _on_ack(self, tag: Any) -> Any:
+    def _on_ack(self, tag: Any, unacked_keys: list[Any], unacked_args: list[Any]) -> Any:
         riding = self._riding
-        return riding.on_ack(tag) if riding is not None else None
+        return riding.on_ack(tag, unacked_keys, unacked_args) if riding is not None else None
 
     @property
     def _ride_overdue_s(self) -> float:
@@ -421,7 +423,7 @@ class ClaimStep(bootsteps.StartStopStep):
             task_id=str(headers["id"]), delivery_tag=message.delivery_tag,
             queue=info.get("routing_key"), deliveries=0, retries=retries,
             generation=(lenient_int(headers.get("replaced_task_nesting")), retries),
-            digest=message_digest(headers, message.body), message=message,
+            digest_source=functools.partial(_digest_of, message), message=message,
             task_name=task_name, exchange=info.get("exchange"),
             routing_key=info.get("routing_key"),
         )
@@ -521,7 +523,7 @@ class ClaimStep(bootsteps.StartStopStep):
             decision = self.claimer.decide(
                 held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
                 exchange=held.exchange, routing_key=held.routing_key,
-                retries=held.retries, generation=held.generation, digest=held.digest,
+                retries=held.retries, generation=held.generation, digest=held.digest_now(),
                 known_deliveries=held.deliveries, parked=held.parked,
                 holder=held.holder, alive_at=held.alive_at)
         except StoreError as exc:
@@ -1071,6 +1073,11 @@ def _delivery(held: Held) -> Delivery:
     this step is)."""
     assert held.delivery is not None, f"hold of {held.task_id} carries no delivery"
     return held.delivery
+
+
+def _digest_of(message: Any) -> str:
+    """The digest of a task message as published (its claim-token header is the worker's)."""
+    return message_digest(message.headers, message.body, without=CLAIM_HEADER)
 
 
 def _jsonable(value: Any) -> Any:

@@ -133,8 +133,12 @@ class Held:
     retries: int = 0
     #: ``(replaced_task_nesting, retries)`` of the message (see ``is_successor``).
     generation: tuple[int, int] = (0, 0)
-    #: Digest of the message's headers and body: the same for every redelivery of it.
+    #: Digest of the message's headers and body: the same for every redelivery of it. Read it
+    #: through ``digest_now``: only a decision that found a tombstone, and the tombstone of a
+    #: run that handed its id on, need it, so it is computed then (``digest_source``).
     digest: str = ""
+    #: Computes ``digest`` when it is first needed (None: ``digest`` is all there is).
+    digest_source: Callable[[], str] | None = None
     #: The run handed its task id on (set from the pool child's mark when it ends).
     handoff: bool = False
     #: The registered name of the task (for logs and the poison path).
@@ -147,6 +151,12 @@ class Held:
     delivery: Delivery | None = None
     #: Unique per delivery: a message restored twice can reach us twice with the same tag.
     key: int = dataclasses.field(default_factory=itertools.count(1).__next__)
+
+    def digest_now(self) -> str:
+        """``digest``, computed from ``digest_source`` on first use."""
+        if not self.digest and self.digest_source is not None:
+            self.digest = self.digest_source()
+        return self.digest
 
     def as_claim(self) -> Claim:
         """This hold as the store's ``Claim`` (for ``drop_claim``)."""
@@ -327,7 +337,7 @@ class Claimer:
                 out.append(self.decide(
                     held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
                     exchange=held.exchange, routing_key=held.routing_key, retries=held.retries,
-                    generation=held.generation, digest=held.digest,
+                    generation=held.generation, digest=held.digest_now(),
                     known_deliveries=held.deliveries, presume_fresh=False, under=lease))
             else:
                 # This one call failed (the others stand): fail closed, look again later.
@@ -490,9 +500,11 @@ class Claimer:
     def _end_record(self, held: Held, state: str, requeue: bool) -> tuple[str, dict[str, Any]]:
         if requeue:
             return deliveries_key(held.task_id), {"n": held.deliveries}
+        # Only a tombstone that hands the id on is ever compared by digest (``is_successor``).
         return (keys.done(held.task_id),
                 {"state": state, "token": held.token, "retries": held.retries,
-                 "gen": list(held.generation), "digest": held.digest,
+                 "gen": list(held.generation),
+                 "digest": held.digest_now() if held.handoff else "",
                  "handoff": held.handoff, "worker": self.worker, "at": time.time()})
 
     def drop(self, held: Held, lease: Lease | None = None) -> None:
@@ -514,12 +526,12 @@ class Claimer:
 _VOLATILE = ("x-",)
 
 
-def message_digest(headers: Mapping[str, Any], body: Any) -> str:
+def message_digest(headers: Mapping[str, Any], body: Any, *, without: str = "") -> str:
     """Digest of a task message as published: the same for every redelivery of it, different
-    for any other message of the same task id (a retry, a replacement, a re-publish). The
-    caller has already removed the claim-token header (the worker writes it)."""
+    for any other message of the same task id (a retry, a replacement, a re-publish). Header
+    ``without`` (the claim token, which the worker writes) is left out."""
     kept = {k: v for k, v in headers.items()
-            if isinstance(k, str) and not k.startswith(_VOLATILE)}
+            if isinstance(k, str) and not k.startswith(_VOLATILE) and k != without}
     h = hashlib.blake2b(digest_size=12)
     h.update(json.dumps(kept, sort_keys=True, default=str).encode())
     h.update(b"\0")

@@ -2,12 +2,13 @@
 
 With ``task_acks_late`` kombu's Redis transport already makes one MULTI/EXEC round trip per
 message when it records the message as unacked, and one when it acks it. When the lease store
-is the broker's own Redis server and database, a delivery's claim can ride in the first and its
-end (tombstone, then unclaim) in the second: the worker's main process then makes no store round
-trip of its own for a task that simply runs and succeeds, and the claim is decided before Celery
-builds the request, on the same loop turn, with no hand-off to another thread. The end goes in
-the same transaction as the ack, before it, so "the end is recorded before the message is
-settled" holds as on the other path.
+is the broker's own Redis server and database, a delivery's claim rides in the first and its
+end (tombstone, then unclaim) in the second: each of those round trips becomes one script that
+makes kombu's writes and then ours (``ride_claim``, ``ride_finish``), so the worker's main
+process makes no store round trip of its own for a task that simply runs and succeeds, sends
+one command where kombu sent four, and decides the claim before Celery builds the request, on
+the same loop turn, with no hand-off to another thread. The end is atomic with the ack, so
+nobody sees the message settled without the end recorded.
 
 Only the common case rides: a first claim guarded by "no tombstone and no delivery count", and
 the end of a run that acks. Everything else (a tombstone or a live claim found, a failed call, a
@@ -52,8 +53,7 @@ class RiddenEnd:
     held: Held
     state: str
     requeue: bool
-    command: tuple[Any, ...]
-    outcome: Callable[[Any], CrawlError | None]
+    lease: Lease
     since: float
 
 
@@ -84,19 +84,22 @@ class Riding:
         self._ends: dict[Any, RiddenEnd] = {}
 
     # -- claims ------------------------------------------------------------------------------
-    def claim(self, held: Held, lease: Lease) -> Ride:
-        """The claim of a fresh delivery, to ride in its append round trip."""
-        command, outcome = self.store.claim_command(lease, *self.claimer.fresh_item(held, lease))
+    def claim(self, held: Held, lease: Lease, unacked_keys: list[Any],
+              unacked_args: list[Any]) -> Ride:
+        """The claim of a fresh delivery, to ride in its append round trip (after the broker's
+        unacked record, ``unacked_keys``/``unacked_args``)."""
+        command, outcome = self.store.claim_command(
+            lease, *self.claimer.fresh_item(held, lease), unacked=(unacked_keys, unacked_args))
 
-        def after(replies: list[Any] | None) -> None:
+        def after(reply: Any) -> None:
             with self._lock:
-                if replies is None:
+                if reply is None:
                     self._unknown.append((held, lease))
                     return
-                decision = self.claimer.fresh_decision(held, outcome(replies[0]))
+                decision = self.claimer.fresh_decision(held, outcome(reply))
                 self._claimed[held.delivery_tag] = Claimed(held, decision, lease)
 
-        return [command], after
+        return command, after
 
     def take(self, message: Any, tag: Any) -> Claimed | None:
         """The claim made in ``message``'s append, for its strategy (None if none rode)."""
@@ -127,29 +130,33 @@ class Riding:
     def end(self, held: Held, state: str, requeue: bool, lease: Lease) -> bool:
         """Have the ack of ``held``'s message carry its end. False (nothing registered) when
         another end waits on the same delivery tag: record this one the usual way."""
-        claim_key, record, value = self.claimer.end_item(held, state, requeue)
-        command, outcome = self.store.finish_command(lease, claim_key, record, value,
-                                                     ttl_s=self.claimer.done_ttl_s)
         with self._lock:
             if held.delivery_tag in self._ends:
                 return False
-            self._ends[held.delivery_tag] = RiddenEnd(held, state, requeue, command, outcome,
+            self._ends[held.delivery_tag] = RiddenEnd(held, state, requeue, lease,
                                                       time.monotonic())
         return True
 
-    def on_ack(self, tag: Any) -> Ride | None:
-        """The end waiting on ``tag``, to ride in its ack round trip (None: a plain ack)."""
+    def on_ack(self, tag: Any, unacked_keys: list[Any], unacked_args: list[Any]
+               ) -> Ride | None:
+        """The end waiting on ``tag``, to ride in its ack round trip after the broker's own
+        writes (``unacked_keys``/``unacked_args``); None: a plain ack."""
         with self._lock:
             waiting = self._ends.pop(tag, None)
         if waiting is None:
             return None
+        claim_key, record, value = self.claimer.end_item(waiting.held, waiting.state,
+                                                         waiting.requeue)
+        command, outcome = self.store.finish_command(
+            waiting.lease, claim_key, record, value, ttl_s=self.claimer.done_ttl_s,
+            unacked=(unacked_keys, unacked_args))
 
-        def after(replies: list[Any] | None) -> None:
+        def after(reply: Any) -> None:
             error = (StoreUnavailable("the broker round trip carrying the end failed")
-                     if replies is None else waiting.outcome(replies[0]))
+                     if reply is None else outcome(reply))
             self._ended(waiting.held, waiting.state, waiting.requeue, error)
 
-        return [waiting.command], after
+        return command, after
 
     def overdue(self, older_than_s: float | None = None) -> list[RiddenEnd]:
         """Ends whose ack has not come for ``older_than_s`` (all of them when None): the ack

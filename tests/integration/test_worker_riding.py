@@ -21,7 +21,7 @@ from kombu import Consumer, Queue
 from celery_crawl import keys
 from celery_crawl.worker.steps import ClaimStep, LeaseStep
 from tests.queued_hub import QueuedHub
-from tests.servers import RedisServer, wait_until
+from tests.servers import Monitor, RedisServer, wait_until
 
 TTL_S = 3.0
 TASK = "ridetest.work"
@@ -204,3 +204,116 @@ def test_a_message_of_an_unregistered_task_rides_nothing(rig: Rig) -> None:
     assert _unacked(rig) == 1
     rig.messages[task_id].ack()
     assert _unacked(rig) == 0
+
+
+def _commands(lines: list[str]) -> list[tuple[str, str]]:
+    """(source, command) of MONITOR lines: source ``lua`` for a command a script ran."""
+    out = []
+    for line in lines:
+        head, _, rest = line.partition("] ")
+        source = head.rsplit(" ", 1)[-1]
+        out.append((source, rest.split(" ", 1)[0].strip('"').upper()))
+    return out
+
+
+def test_a_ridden_append_and_ack_each_send_one_script_in_place_of_kombus_transaction(
+        rig: Rig) -> None:
+    """kombu's MULTI/ZADD/HSET/EXEC and MULTI/ZREM/HDEL/EXEC become one script call each,
+    which makes kombu's writes itself."""
+    ids = [f"t-{uuid.uuid4().hex[:8]}" for _ in range(3)]
+    for task_id in ids:
+        rig.publish(task_id)
+    probe = rig.redis.client(5)
+    monitor = Monitor(rig.redis).start(probe)
+    try:
+        rig.receive(len(ids))
+        assert sorted(rig.started) == sorted(ids)
+        assert _unacked(rig) == len(ids)
+        for task_id in ids:
+            rig.started[task_id]()
+    finally:
+        monitor.stop(probe)
+    sent = _commands(monitor.lines)
+    client = [name for source, name in sent if source != "lua"]
+    ran = [name for source, name in sent if source == "lua"]
+    assert "MULTI" not in client and "EXEC" not in client, client
+    assert client.count("EVALSHA") == 2 * len(ids), client
+    for name in ("ZADD", "HSET", "ZREM", "HDEL"):
+        assert ran.count(name) >= len(ids), (name, ran)
+    assert _unacked(rig) == 0
+    assert int(probe.zcard("unacked_index")) == 0
+    store = rig.step.store
+    assert store is not None
+    for task_id in ids:
+        done = store.get(keys.done(task_id))
+        assert done is not None and done["state"] == "done", done
+
+
+def test_a_ridden_append_writes_kombus_own_unacked_entry(rig: Rig) -> None:
+    """The entry is the one kombu writes, so kombu (and the reaper) restore it as usual."""
+    import copy
+
+    from kombu.utils.json import dumps
+
+    from celery_crawl.worker.context import CLAIM_HEADER
+
+    task_id = f"t-{uuid.uuid4().hex[:8]}"
+    rig.publish(task_id)
+    rig.receive(1)
+    assert task_id in rig.started
+    message = rig.messages[task_id]
+    probe = rig.redis.client(5)
+    tag = message.delivery_tag
+    info = message.delivery_info
+    # As received: the claim token is set on the headers after the append, for Celery.
+    raw = copy.deepcopy(message._raw)
+    assert raw["headers"].pop(CLAIM_HEADER) is not None
+    assert probe.hget("unacked", tag).decode() == dumps(
+        [raw, info["exchange"], info["routing_key"]])
+    assert probe.zscore("unacked_index", tag) is not None
+    message.channel.qos.restore_by_tag(tag, leftmost=True)
+    assert int(probe.llen(rig.queue)) == 1
+    assert _unacked(rig) == 0
+
+
+def test_a_script_the_server_lost_before_the_append_falls_back_to_kombus_call(
+        rig: Rig) -> None:
+    """SCRIPT FLUSH (a restarted server): kombu's own append follows, the claim is decided by
+    reading, and the run's end rides again once the scripts are loaded anew."""
+    store = rig.step.store
+    assert store is not None
+    rig.redis.client(5).script_flush()
+    task_id = f"t-{uuid.uuid4().hex[:8]}"
+    rig.publish(task_id)
+    rig.receive(1)
+    assert _unacked(rig) == 1
+    wait_until(lambda: (rig.hub.run() and False) or task_id in rig.started, 10.0,
+               what="the delivery decided by reading")
+    claim = store.claimant(keys.task_claim(task_id))
+    assert claim is not None and claim.alive
+    rig.started[task_id]()
+    wait_until(lambda: (rig.hub.run() and False) or _unacked(rig) == 0, 10.0,
+               what="the ack")
+    rig.step.drain_backlog()
+    done = store.get(keys.done(task_id))
+    assert done is not None and done["state"] == "done", done
+    assert store.claimant(keys.task_claim(task_id)) is None
+
+
+def test_a_script_the_server_lost_before_the_ack_still_acks_and_records_the_end(
+        rig: Rig) -> None:
+    store = rig.step.store
+    assert store is not None
+    task_id = f"t-{uuid.uuid4().hex[:8]}"
+    rig.publish(task_id)
+    rig.receive(1)
+    assert task_id in rig.started
+    rig.redis.client(5).script_flush()
+    rig.started[task_id]()
+    assert _unacked(rig) == 0
+    assert store.get(keys.done(task_id)) is None  # the ack's script did not run
+    assert len(rig.step.backlog) == 1
+    rig.step.drain_backlog()
+    done = store.get(keys.done(task_id))
+    assert done is not None and done["state"] == "done", done
+    assert store.claimant(keys.task_claim(task_id)) is None
