@@ -89,6 +89,8 @@ class ClaimStep(bootsteps.StartStopStep):
         # Every request of this worker gets its claim token from here (``_issued.py``).
         issued.vouch()
         self.book = ClaimBook()
+        # Read when scraped: no gauge update per delivery.
+        metrics.WORKER_CLAIMS.set_function(self.book.__len__)
         self.backlog = Backlog()
         self.claimer: Claimer | None = None
         self.consumer: Any = None
@@ -285,7 +287,6 @@ class ClaimStep(bootsteps.StartStopStep):
         held.handoff = finishing.take(held.task_id)
         if self.book.pop(held) is None:
             return True  # released meanwhile: nothing to record
-        metrics.WORKER_CLAIMS.set(len(self.book))
         if not riding.end(held, state, requeue, lease):
             self._defer(held, state, requeue)
         return True
@@ -319,7 +320,6 @@ class ClaimStep(bootsteps.StartStopStep):
                 continue
             self.book.pop(held)
             dropped.append(held)
-        metrics.WORKER_CLAIMS.set(len(self.book))
         if not dropped:
             return
         if everything:
@@ -587,7 +587,6 @@ class ClaimStep(bootsteps.StartStopStep):
                     # The task of a dead worker, now handed to the pool here: from its death.
                     metrics.WORKER_PREEMPTION_LATENCY.observe(
                         max(0.0, time.time() - decision.died_at))
-        metrics.WORKER_CLAIMS.set(len(self.book))
 
     def _run(self, held: Held) -> None:
         run = _delivery(held)
@@ -626,7 +625,6 @@ class ClaimStep(bootsteps.StartStopStep):
             # Celery refuses the message itself (undecodable body, content type not accepted,
             # invalid task): it rejects it outside our callbacks, so the claim goes here.
             if self.book.pop(held) is not None:
-                metrics.WORKER_CLAIMS.set(len(self.book))
                 if self._offloading():
                     self._offload.submit(functools.partial(self._give_back, [held],
                                                            restore=False))
@@ -695,7 +693,6 @@ class ClaimStep(bootsteps.StartStopStep):
             held.handoff = finishing.take(held.task_id)
             if self.book.pop(held) is not None:
                 recorded.append((held, state, requeue))
-        metrics.WORKER_CLAIMS.set(len(self.book))
         if recorded:
             if self.keeper is None or self.keeper.lease is None:
                 for held, state, requeue in recorded:
@@ -716,7 +713,6 @@ class ClaimStep(bootsteps.StartStopStep):
         held.handoff = finishing.take(held.task_id)
         if self.book.pop(held) is None:
             return
-        metrics.WORKER_CLAIMS.set(len(self.book))
         assert self.claimer is not None
         if self.keeper is None or self.keeper.lease is None:
             self._defer(held, state, requeue)
@@ -926,7 +922,6 @@ class ClaimStep(bootsteps.StartStopStep):
             (ending if kept else fenced).append(held)
         for held in ending:
             self.book.add(held)
-        metrics.WORKER_CLAIMS.set(len(self.book))
         # A store we cannot reach may have lost our claims (and the delivery tags they record)
         # or be unreachable for the reaper too: requeue ourselves. A store that answered "lost"
         # (or a freeze) means the reaper can see our orphaned claims and restores each tag once.

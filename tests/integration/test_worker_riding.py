@@ -317,3 +317,19 @@ def test_a_script_the_server_lost_before_the_ack_still_acks_and_records_the_end(
     done = store.get(keys.done(task_id))
     assert done is not None and done["state"] == "done", done
     assert store.claimant(keys.task_claim(task_id)) is None
+
+
+def test_the_claims_gauge_counts_the_holds_when_read(rig: Rig) -> None:
+    from celery_crawl import metrics
+
+    def gauge() -> float:
+        return float(metrics.WORKER_CLAIMS.collect()[0].samples[0].value)
+
+    ids = [f"t-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    for task_id in ids:
+        rig.publish(task_id)
+    rig.receive(len(ids))
+    assert gauge() == len(ids)
+    for task_id in ids:
+        rig.started[task_id]()
+    assert gauge() == 0
