@@ -16,13 +16,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "BACKEND_OVERRIDES",
     "CHECKED_AGAINST",
     "KOMBU_ERROR",
     "PRIVATE_NAMES",
+    "SENT",
     "call_task_errbacks",
     "cancel_quietly",
     "channel_gone",
@@ -34,6 +35,7 @@ __all__ = [
     "max_value_size",
     "priority_queue_key",
     "redis_channel_server",
+    "remove_unacked",
     "request_message",
     "restore_unacked",
     "result_meta",
@@ -56,6 +58,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "kombu.message:Message": ("_state",),
     "kombu.transport.virtual.base:Message": ("_raw",),
     "kombu.transport.redis:Channel": ("_q_for_pri", "_create_client"),
+    "kombu.transport.redis:QoS": ("_remove_from_indices",),
     "celery.backends.redis:RedisBackend": (
         "_fail_chain", "_call_task_errbacks", "_get_result_meta", "_MAX_STR_VALUE_SIZE"),
 }
@@ -76,6 +79,10 @@ _RIDE_MARK = "_crawl_ride"
 #: error is being raised). The script makes kombu's writes first, from the keys and arguments
 #: the hook was given (``ride_redis_acks``).
 Ride = tuple[tuple[Any, ...], Callable[[Any], None]]
+
+#: What an ack hook returns when it sent the script itself (it reads the reply later): kombu's
+#: local bookkeeping of the ack is all that is left to do.
+SENT = object()
 
 #: Prefix of the error a ridden script answers when kombu's own writes in it failed (nothing
 #: else in it ran): raised to kombu's caller without the prefix, as kombu would have raised it.
@@ -179,9 +186,16 @@ def redis_channel_server(channel: Any) -> dict[str, Any] | None:
     return {k: kwargs.get(k) for k in ("host", "port", "db", "path")}
 
 
+def remove_unacked(channel: Any, tag: Any) -> None:
+    """kombu's own ack writes for one Redis delivery (its ``ZREM``/``HDEL``), without its local
+    bookkeeping: for an ack whose ridden script the server did not know."""
+    channel.qos._remove_from_indices(tag).execute()
+
+
 def ride_redis_acks(channel: Any,
                     on_append: Callable[[Any, list[Any], list[Any]], Ride | None],
-                    on_ack: Callable[[Any, list[Any], list[Any]], Ride | None]) -> None:
+                    on_ack: Callable[[Any, list[Any], list[Any]], Ride | object | None]
+                    ) -> None:
     """Let the script calls ``on_append(message, keys, args)`` and ``on_ack(delivery_tag, keys,
     args)`` return replace the MULTI/EXEC round trip kombu's Redis ``QoS`` makes when it records
     a message as unacked and when it acks one (``QoS.append`` and ``QoS.ack`` of kombu 5.7).
@@ -193,7 +207,8 @@ def ride_redis_acks(channel: Any,
     atomic script. The reply goes to the ride's callback, also when the round trip fails
     (None), before kombu's error is raised. A script the server does not know (NOSCRIPT: it
     made none of kombu's writes) is followed by kombu's own call. A hook returning None leaves
-    that call exactly as kombu makes it."""
+    that call exactly as kombu makes it; an ack hook returning ``SENT`` has sent its script
+    itself, and only kombu's local bookkeeping of the ack follows."""
     qos = channel.qos
     if getattr(qos, _RIDE_MARK, False):
         return
@@ -233,7 +248,10 @@ def ride_redis_acks(channel: Any,
 
     def ack(delivery_tag: Any) -> None:
         ride = on_ack(delivery_tag, [qos.unacked_index_key, qos.unacked_key], [delivery_tag])
-        if ride is None or not call(*ride):
+        if ride is SENT:
+            VirtualQoS.ack(qos, delivery_tag)
+            return
+        if ride is None or not call(*cast(Ride, ride)):
             plain_ack(delivery_tag)
             return
         VirtualQoS.ack(qos, delivery_tag)

@@ -62,7 +62,7 @@ from .delivery import Delivery
 from .keeper import Keeper
 from .lease_step import LeaseStep
 from .offload import Offloader
-from .riding import Riding
+from .riding import Riding, ack_line_for
 
 __all__ = ["ClaimStep"]
 
@@ -167,6 +167,9 @@ class ClaimStep(bootsteps.StartStopStep):
         and drop the claims of deliveries that will not run."""
         self._closed = True
         self._offload.stop()
+        riding = self._riding
+        if riding is not None and riding.ack_line is not None:
+            riding.ack_line.drain()  # what the acks sent last recorded, before the backlog
         if lease_held:
             self.drain_backlog()
             self._forget_unstarted(everything=True)
@@ -204,9 +207,11 @@ class ClaimStep(bootsteps.StartStopStep):
             return
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
         where = compat.redis_channel_server(channel)
-        if where is None or not store.shares_server(where):
+        if channel is None or where is None or not store.shares_server(where):
             return
-        self._riding = Riding(store, claimer, channel, self._ride_ended)
+        self._riding = Riding(store, claimer, channel, self._ride_ended,
+                              ack_line=ack_line_for(channel.pool, self.config.store_timeout_s),
+                              on_loop=self._offloading)
         compat.ride_redis_acks(channel, self._on_append, self._on_ack)
         logger.info("celery-crawl: the lease store is the broker's Redis database: claims and "
                     "ends ride in the broker's own round trips")
@@ -219,6 +224,13 @@ class ClaimStep(bootsteps.StartStopStep):
             self._sweep_rides(riding, overdue_s=None)
 
     def _sweep_rides(self, riding: Riding, *, overdue_s: float | None) -> None:
+        line = riding.ack_line
+        if line is not None:
+            # Acks sent on the loop without waiting: their replies (errors go to the backlog).
+            if overdue_s is None:
+                line.drain()
+            else:
+                line.poll(overdue_s)
         claimed, unknown = riding.leftovers()
         for each in claimed:
             if each.decision is not None and each.decision.token is not None:

@@ -20,19 +20,28 @@ This module does not import Celery; ``ClaimStep`` installs the hooks through
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .._celery_compat import Ride
+import redis as redis_lib
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .. import _celery_compat as compat
+from .._celery_compat import SENT, Ride
 from ..errors import CrawlError, StoreUnavailable
 from ..leases.base import Lease
 from ..leases.redis import RedisLeaseStore
 from .claims import Claimer, Decision, Held
 
-__all__ = ["Claimed", "RiddenEnd", "Riding"]
+__all__ = ["AckLine", "Claimed", "RiddenEnd", "Riding"]
+
+logger = logging.getLogger("celery_crawl.worker")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,6 +70,126 @@ class RiddenEnd:
 Ended = Callable[[Held, str, bool, CrawlError | None], None]
 
 
+class AckLine:
+    """A connection of its own to the broker's server on which the consumer's loop sends ridden
+    acks without waiting for their replies.
+
+    Nothing on the loop needs an ack's reply: the script has made the ack and the end in one
+    atomic step on the server whatever the client does next, and the reply only says whether
+    the end must go to the backlog (an error) or a parked copy be woken (a hand-off). Waiting
+    for it cost the loop a round trip per task that stock Celery's loop also pays; here the
+    replies are read in order, without blocking, each time another ack is sent and on the
+    consumer's timer (``poll``), and all at once when the channel goes (``drain``). A failed
+    connection fails every pending ack (their ends go to the backlog: the ack may or may not
+    have been made; the done tombstone drops a redelivery either way).
+
+    Used from the consumer's loop only (one thread); the lock guards ``drain`` at shutdown.
+
+    Args:
+        connect: a new, unconnected redis-py connection to the broker's server and database.
+    """
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect
+        self._conn: Any = None
+        self._lock = threading.Lock()
+        #: (what to do with the reply, when it was sent (monotonic)), in sending order.
+        self._pending: collections.deque[tuple[Callable[[Any], None], float]] = (
+            collections.deque())
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def send(self, command: tuple[Any, ...], after: Callable[[Any], None]) -> bool:
+        """Send ``command``; ``after`` gets its reply later (None if the connection failed).
+        False when it could not be sent (nothing pending for it): the caller sends it the
+        usual way."""
+        with self._lock:
+            self._read_ready()
+            try:
+                if self._conn is None:
+                    self._conn = self._connect()
+                    self._conn.connect()
+                self._conn.send_command(*command, check_health=False)
+            except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError) as exc:
+                logger.info("celery-crawl: the ack line is down (%s); acking the usual way", exc)
+                self._fail()
+                return False
+            self._pending.append((after, time.monotonic()))
+            return True
+
+    def poll(self, overdue_s: float | None = None) -> None:
+        """Read the replies that have come; fail everything pending when the oldest has waited
+        ``overdue_s`` (a server that stopped answering)."""
+        with self._lock:
+            self._read_ready()
+            if (overdue_s is not None and self._pending
+                    and time.monotonic() - self._pending[0][1] >= overdue_s):
+                logger.warning("celery-crawl: %d ridden ack(s) unanswered for %.0fs; their ends "
+                               "go to the backlog", len(self._pending), overdue_s)
+                self._fail()
+
+    def drain(self) -> None:
+        """Wait for every pending reply (the channel is going), within the connection's read
+        timeout; then close."""
+        with self._lock:
+            while self._pending:
+                after, _ = self._pending[0]
+                try:
+                    reply = self._read_one()
+                except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
+                    self._fail()
+                    break
+                self._pending.popleft()
+                after(reply)
+            self._close()
+
+    def _read_ready(self) -> None:
+        conn = self._conn
+        while self._pending and conn is not None:
+            try:
+                if not conn.can_read(timeout=0):
+                    return
+                reply = self._read_one()
+            except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
+                self._fail()
+                return
+            after, _ = self._pending.popleft()
+            after(reply)
+
+    def _read_one(self) -> Any:
+        try:
+            return self._conn.read_response()
+        except redis_lib.ResponseError as exc:  # the script's error: its reply
+            return exc
+
+    def _fail(self) -> None:
+        pending, self._pending = self._pending, collections.deque()
+        self._close()
+        for after, _ in pending:
+            after(None)
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.disconnect()
+            except Exception:  # already broken
+                logger.debug("celery-crawl: closing the ack line", exc_info=True)
+
+
+def ack_line_for(pool: Any, timeout_s: float) -> AckLine:
+    """An ``AckLine`` to the server of redis-py connection pool ``pool`` (the broker channel's):
+    the same connection class and settings, but connect and read bounded by ``timeout_s``
+    (``crawl_store_timeout``: the loop connects it and a shutdown drains it), without health
+    checks (a PING would read a pending ack's reply) or retries (a reconnection would lose the
+    pending replies)."""
+    kwargs = {**pool.connection_kwargs, "health_check_interval": 0,
+              "retry": Retry(NoBackoff(), 0), "socket_timeout": timeout_s,
+              "socket_connect_timeout": timeout_s}
+    return AckLine(lambda: pool.connection_class(**kwargs))
+
+
 class Riding:
     """The claims and ends of one broker channel that ride in its round trips.
 
@@ -72,11 +201,15 @@ class Riding:
     """
 
     def __init__(self, store: RedisLeaseStore, claimer: Claimer, channel: Any,
-                 ended: Ended) -> None:
+                 ended: Ended, *, ack_line: AckLine | None = None,
+                 on_loop: Callable[[], bool] = lambda: False) -> None:
         self.store = store
         self.claimer = claimer
         self.channel = channel
         self._ended = ended
+        #: Where acks made on the consumer's loop are sent without waiting (``AckLine``).
+        self.ack_line = ack_line
+        self._on_loop = on_loop
         self._lock = threading.Lock()
         self._claimed: dict[Any, Claimed] = {}
         #: Appends whose round trip failed: their claim may or may not have been made.
@@ -138,9 +271,10 @@ class Riding:
         return True
 
     def on_ack(self, tag: Any, unacked_keys: list[Any], unacked_args: list[Any]
-               ) -> Ride | None:
+               ) -> Ride | object | None:
         """The end waiting on ``tag``, to ride in its ack round trip after the broker's own
-        writes (``unacked_keys``/``unacked_args``); None: a plain ack."""
+        writes (``unacked_keys``/``unacked_args``); None: a plain ack; ``SENT``: sent on the
+        ack line (an ack on the consumer's loop), its reply read later."""
         with self._lock:
             waiting = self._ends.pop(tag, None)
         if waiting is None:
@@ -156,6 +290,21 @@ class Riding:
                      if reply is None else outcome(reply))
             self._ended(waiting.held, waiting.state, waiting.requeue, error)
 
+        if self.ack_line is not None and self._on_loop():
+
+            def after_sent(reply: Any) -> None:
+                if isinstance(reply, redis_lib.exceptions.NoScriptError):
+                    # The server ran none of it: kombu's own ack writes, then the end later.
+                    try:
+                        compat.remove_unacked(self.channel, tag)
+                    except Exception as exc:
+                        logger.warning("celery-crawl: acking %s after a NOSCRIPT failed (%s); "
+                                       "kombu's visibility timeout redelivers it and its done "
+                                       "tombstone drops that copy", tag, exc)
+                after(reply)
+
+            if self.ack_line.send(command, after_sent):
+                return SENT
         return command, after
 
     def overdue(self, older_than_s: float | None = None) -> list[RiddenEnd]:

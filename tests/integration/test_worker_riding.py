@@ -122,6 +122,14 @@ def _unacked(rig: Rig) -> int:
     return int(rig.redis.client(5).hlen("unacked"))
 
 
+def _answered(rig: Rig) -> None:
+    """Wait until every ack sent on the loop without waiting has its reply read."""
+    riding = rig.step._riding
+    assert riding is not None and riding.ack_line is not None
+    line = riding.ack_line
+    wait_until(lambda: line.poll() or len(line) == 0, 10.0, what="the ack replies")
+
+
 def test_a_claim_and_an_end_take_no_store_round_trip_of_their_own(rig: Rig) -> None:
     store = rig.step.store
     assert store is not None
@@ -136,6 +144,7 @@ def test_a_claim_and_an_end_take_no_store_round_trip_of_their_own(rig: Rig) -> N
     assert rig.hub.pending == []
     for task_id in ids:
         rig.started[task_id]()
+    _answered(rig)
     assert rig.store_round_trips() == before, "a claim or an end made a store round trip"
     assert _unacked(rig) == 0
     for task_id in ids:
@@ -231,6 +240,7 @@ def test_a_ridden_append_and_ack_each_send_one_script_in_place_of_kombus_transac
         assert _unacked(rig) == len(ids)
         for task_id in ids:
             rig.started[task_id]()
+        _answered(rig)
     finally:
         monitor.stop(probe)
     sent = _commands(monitor.lines)
@@ -310,6 +320,7 @@ def test_a_script_the_server_lost_before_the_ack_still_acks_and_records_the_end(
     assert task_id in rig.started
     rig.redis.client(5).script_flush()
     rig.started[task_id]()
+    _answered(rig)
     assert _unacked(rig) == 0
     assert store.get(keys.done(task_id)) is None  # the ack's script did not run
     assert len(rig.step.backlog) == 1
@@ -333,3 +344,82 @@ def test_the_claims_gauge_counts_the_holds_when_read(rig: Rig) -> None:
     for task_id in ids:
         rig.started[task_id]()
     assert gauge() == 0
+    _answered(rig)
+
+
+def _connect_the_ack_line(rig: Rig) -> None:
+    """One task run and acked first: the ack line is connected (it connects on first use)."""
+    warm = f"w-{uuid.uuid4().hex[:8]}"
+    rig.publish(warm)
+    rig.receive(1)
+    rig.started[warm]()
+    _answered(rig)
+
+
+def test_an_ack_on_the_loop_does_not_wait_for_the_server(rig: Rig) -> None:
+    """The ridden ack is sent and the loop goes on; its reply is read later. Forced: the
+    server is stopped (SIGSTOP) while the ack is made."""
+    import os
+    import signal
+    import threading
+    import time
+
+    store = rig.step.store
+    assert store is not None and rig.redis.proc is not None
+    task_id = f"t-{uuid.uuid4().hex[:8]}"
+    rig.publish(task_id)
+    rig.receive(1)
+    assert task_id in rig.started
+    riding = rig.step._riding
+    assert riding is not None and riding.ack_line is not None
+    _connect_the_ack_line(rig)
+    os.kill(rig.redis.proc.pid, signal.SIGSTOP)
+    # The server resumes after 3 s whatever happens: an ack that waits for it takes as long.
+    resume = threading.Timer(3.0, os.kill, (rig.redis.proc.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        began = time.monotonic()
+        rig.started[task_id]()  # on the loop's thread (this one)
+        took = time.monotonic() - began
+        pending = len(riding.ack_line)
+    finally:
+        resume.join()
+    done = took < 1.5 and pending == 1
+    assert done, f"the ack waited for the stopped server ({took:.2f}s, {pending} pending)"
+    _answered(rig)
+    assert _unacked(rig) == 0
+    assert store.claimant(keys.task_claim(task_id)) is None
+    got = store.get(keys.done(task_id))
+    assert got is not None and got["state"] == "done"
+
+
+def test_acks_the_server_never_answered_go_to_the_backlog(rig: Rig) -> None:
+    """Replies that do not come within the overdue bound fail their acks: each end goes to
+    the backlog and is recorded from there (the ack itself was made or is made by the server
+    anyway, atomically with an end; recording it again is idempotent)."""
+    import os
+    import signal
+
+    store = rig.step.store
+    assert store is not None and rig.redis.proc is not None
+    task_id = f"t-{uuid.uuid4().hex[:8]}"
+    rig.publish(task_id)
+    rig.receive(1)
+    riding = rig.step._riding
+    assert riding is not None and riding.ack_line is not None
+    _connect_the_ack_line(rig)
+    os.kill(rig.redis.proc.pid, signal.SIGSTOP)
+    try:
+        rig.started[task_id]()
+        assert len(riding.ack_line) == 1
+        rig.step._sweep_rides(riding, overdue_s=0.0)
+        assert len(riding.ack_line) == 0
+        assert len(rig.step.backlog) == 1
+    finally:
+        os.kill(rig.redis.proc.pid, signal.SIGCONT)
+    rig.step.drain_backlog()
+    assert len(rig.step.backlog) == 0
+    got = store.get(keys.done(task_id))
+    assert got is not None and got["state"] == "done"
+    assert store.claimant(keys.task_claim(task_id)) is None
+    wait_until(lambda: _unacked(rig) == 0, 10.0, what="the ack made by the server")
