@@ -47,11 +47,14 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import socket
 import ssl
+import time
 from collections.abc import Callable, Iterator
 from functools import cached_property
 from importlib import resources
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -79,6 +82,7 @@ from ..leases.redis import token_counter_key
 
 __all__ = [
     "GUARD_ATTR",
+    "MARKED_ATTR",
     "MAX_TOKEN",
     "OUTCOMES",
     "REFUSED_ATTR",
@@ -106,6 +110,8 @@ REFUSED_ATTR = "crawl_refused"
 #: Request attribute an ``IdempotentTask`` run sets to have its SUCCESS write check that it
 #: still owns its idempotency key (``WriteGuard``).
 GUARD_ATTR = "crawl_idem_guard"
+#: Request attribute naming the task id a run marked finished (``_finishing.mark``) itself.
+MARKED_ATTR = "crawl_finish_marked"
 
 
 class WriteGuard(Protocol):
@@ -319,6 +325,8 @@ class AuditedRedisBackend(RedisBackend):
         self.checks_token_issuance: bool = self._lease_store_is_here()
         #: The highest value of the lease store's token counter read so far (it only grows).
         self._issued_floor = 0
+        #: (client, pid, free connections) of ``_round_trip``.
+        self._lanes: tuple[Any, int, list[Any]] | None = None
 
     # -- URL ------------------------------------------------------------------------------------
     #: ``crawlredis+cluster://`` (Celery passes the URL on as ``cluster://``).
@@ -440,8 +448,90 @@ class AuditedRedisBackend(RedisBackend):
                     raise self.store_error(exc) from exc
                 raise
 
-        with self.translate_errors():
-            return super().ensure(attempt, args, **policy)
+        # The first attempt is made here, outside Celery's retry loop: almost every call
+        # succeeds at once, and building the loop (policy dict, interval generator, errback)
+        # cost more than the rest of the call's Python. A connection error hands the loop
+        # that very failure as its first attempt's, so the retries, their pauses, their log
+        # lines and a policy's ``timeout`` (counted from this attempt's start) are Celery's.
+        started = time.monotonic()
+        try:
+            try:
+                return attempt(*args)
+            except self.connection_errors as exc:
+                failed: list[BaseException] = [exc]
+
+            def again(*call_args: Any) -> Any:
+                if failed:
+                    raise failed.pop()
+                return attempt(*call_args)
+
+            timeout = dict(self.retry_policy, **policy).get("timeout")
+            if timeout:
+                policy = {**policy, "timeout": max(
+                    float(timeout) - (time.monotonic() - started), 1e-6)}
+            return super().ensure(again, args, **policy)
+        except (redis_errors.RedisError, OSError) as exc:
+            raise self.store_error(exc) from exc
+
+    def run_script(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
+        """``EVALSHA`` of a script registered with ``register_script``, on the current client.
+
+        What redis-py's ``Script.__call__`` does for a plain client (``EVALSHA``; on
+        ``NOSCRIPT`` a ``SCRIPT LOAD`` and the call again), without its per-call imports,
+        type checks and argument copies: it runs for every task, twice for an
+        ``IdempotentTask``.
+        """
+        try:
+            return self._round_trip(("EVALSHA", script.sha, len(keys), *keys, *args))
+        except redis_errors.NoScriptError:
+            script.sha = self.client.script_load(script.script)
+            return self._round_trip(("EVALSHA", script.sha, len(keys), *keys, *args))
+
+    def _round_trip(self, command: tuple[Any, ...]) -> Any:
+        """One command on a connection of this backend's own (``_lanes``), else as redis-py's
+        ``execute_command`` sends it.
+
+        ``execute_command`` takes a connection from the client's pool and gives it back for
+        every command, with the pool's lock, its bookkeeping and metrics, and a non-blocking
+        read that checks the connection holds no leftover data: more Python than the rest of a
+        script call. Here a connection, taken from the pool once, is used by one call at a time
+        (a free list; a thread takes one, so threads never share a connection) and is
+        disconnected on any failure but an error reply (read whole), so none is ever left with
+        unread data. As in ``execute_command``, the connection's ``retry`` (redis-py's retries
+        of a connection error or timeout, reconnecting in between) runs around the command,
+        and an error it gives up on goes to ``ensure`` (Celery's retries).
+        """
+        client = self.client
+        if client.connection is not None:  # a single-connection client: its own lock
+            return client.execute_command(*command)
+        pid = os.getpid()
+        lanes = self._lanes
+        if lanes is None or lanes[0] is not client or lanes[1] != pid:
+            # First use, a new client (cluster slot moved), or a forked child: none of the
+            # parent's connections is used here.
+            lanes = self._lanes = (client, pid, [])
+        free = lanes[2]
+        try:
+            conn = free.pop()
+        except IndexError:
+            conn = client.connection_pool.get_connection()
+
+        def send() -> Any:
+            conn.send_command(*command)
+            return conn.read_response()
+
+        try:
+            reply = conn.retry.call_with_retry(send, lambda _error: conn.disconnect())
+        except redis_errors.ResponseError:
+            free.append(conn)
+            raise
+        except BaseException:
+            conn.disconnect()  # e.g. a soft time limit inside the read: the reply is unread
+            free.append(conn)
+            raise
+        free.append(conn)
+        callback = client.response_callbacks.get(command[0])
+        return reply if callback is None else callback(reply)
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
         """For ``result_backend_always_retry``: transient connection failures only."""
@@ -551,7 +641,9 @@ class AuditedRedisBackend(RedisBackend):
         if not encoded.endswith("}"):
             raise BackendStoreError("result meta did not encode to a JSON object")
         sep = ", " if len(encoded) > 2 else ""
-        value = f'{encoded[:-1]}{sep}"date_done": {json.dumps(date_done)}}}'
+        done = "null" if date_done is None else (
+            _json_str(date_done) if type(date_done) is str else json.dumps(date_done))
+        value = f'{encoded[:-1]}{sep}"date_done": {done}}}'
         return value, digest
 
     def stored_digest(self, value: bytes | str) -> str:
@@ -567,8 +659,12 @@ class AuditedRedisBackend(RedisBackend):
                       request: Any = None, **kwargs: Any) -> Any:
         if state in states.READY_STATES:
             # The body has returned: a lease loss from here on must not kill this run (its
-            # work is done); the worker plugin reads the mark (see _finishing.py).
-            finishing.mark(bytes_to_str(task_id))
+            # work is done); the worker plugin reads the mark (see _finishing.py). A run that
+            # marked itself already (IdempotentTask, right after its body: MARKED_ATTR) is not
+            # marked twice: a mark stays until its delivery ends.
+            tid = bytes_to_str(task_id)
+            if request is None or getattr(request, MARKED_ATTR, None) != tid:
+                finishing.mark(tid)
         meta = result_meta(self, result, state, traceback, request)
         meta["task_id"] = bytes_to_str(task_id)
         value, digest = self.encode_meta(meta)
@@ -682,9 +778,9 @@ class AuditedRedisBackend(RedisBackend):
                 raw = self.client.get(args[11])
                 if raw is not None and bytes_to_str(raw).isdigit():
                     self._issued_floor = max(self._issued_floor, int(bytes_to_str(raw)))
-        return self._store_script(keys=keys,
-                                  args=[*args[:11], str(self._issued_floor), run_id],
-                                  client=self.client)
+        # A new list: a retried call (``ensure``) gets the same ``args`` again.
+        return self.run_script(self._store_script, keys,
+                               [*args[:11], str(self._issued_floor), run_id])
 
     def _forget(self, task_id: str) -> None:
         # Forgetting is recorded, so that `audit verify` expects the result to be gone.

@@ -35,10 +35,14 @@ local function raise_floor()
   local n = tonumber(token)
   if not n then return end
   local fkey = KEYS[2]
-  local cur = tonumber(redis.call('HGET', fkey, 'token') or '')
-  if cur and cur >= n then return end
+  -- TTL first: a task's first run finds no fence record (-2) and needs no HGET.
+  local ttl = redis.call('TTL', fkey)
+  if ttl ~= -2 then
+    local cur = tonumber(redis.call('HGET', fkey, 'token') or '')
+    if cur and cur >= n then return end
+  end
   redis.call('HSET', fkey, 'token', token)
-  if keep_s > 0 and redis.call('TTL', fkey) == -1 then redis.call('EXPIRE', fkey, keep_s) end
+  if keep_s > 0 and ttl < 0 then redis.call('EXPIRE', fkey, keep_s) end
 end
 
 local function take(decision, extra, xtoken)

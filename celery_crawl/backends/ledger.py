@@ -79,9 +79,8 @@ class KeyLedger:
             self.keep_s = max(self.keep_s, int(heartbeat_ttl_s * 3) + 1)
 
     def _call(self, script: Any, args: list[Any], extra_keys: tuple[str, ...] = ()) -> Any:
-        keys = [self.record_key, *extra_keys]
-        return self.backend.ensure(
-            lambda: script(keys=keys, args=args, client=self.backend.client), ())
+        backend = self.backend
+        return backend.ensure(backend.run_script, (script, [self.record_key, *extra_keys], args))
 
     def begin(self, task_id: str, token: str, run_id: str, *, force: bool = False) -> Decision:
         """Decide whether this run may start; takes the key when it may (``run``/``rollback``).

@@ -44,6 +44,9 @@ if cur[4] == attempt then
   return {cur[5], 1}
 end
 
+local ntoken = nil
+if token ~= '' then ntoken = tonumber(token) end
+
 local cur_token, cur_ready = cur[1], cur[3]
 -- A token without a state is the floor an IdempotentTask run raised when it began
 -- (idem_begin.lua): an older claim token is refused; a write without a token is judged as
@@ -54,18 +57,20 @@ if not cur[2] then
   floor = cur_token and tonumber(cur_token)
   cur_token = false
   cur_ready = '0'
-  local old = redis.call('GET', rkey)
-  if old then
-    local ok, meta = pcall(cjson.decode, old)
-    if ok and type(meta) == 'table' then
-      local s = meta['status']
-      if s == 'SUCCESS' or s == 'FAILURE' or s == 'REVOKED' then cur_ready = '1' end
+  -- Whether a stock result is ready decides only a non-ready or an untokened write (below):
+  -- a tokened ready write, every task's usual first write, does not read it.
+  if ready ~= '1' or not ntoken then
+    local old = redis.call('GET', rkey)
+    if old then
+      local ok, meta = pcall(cjson.decode, old)
+      if ok and type(meta) == 'table' then
+        local s = meta['status']
+        if s == 'SUCCESS' or s == 'FAILURE' or s == 'REVOKED' then cur_ready = '1' end
+      end
     end
   end
 end
 
-local ntoken = nil
-if token ~= '' then ntoken = tonumber(token) end
 local ctoken = nil
 if cur_token and cur_token ~= '' then ctoken = tonumber(cur_token) end
 

@@ -328,6 +328,130 @@ def test_results_written_by_a_stock_backend_are_respected(redis_server) -> None:
     assert outcomes(ours, tid) == [("STARTED", "refused-regression")]
 
 
+def test_a_stock_ready_result_still_decides_untokened_and_non_ready_writes(redis_server) -> None:
+    """store.lua reads a stock backend's result only where it decides the outcome: a tokened
+    ready write replaces it, an untokened ready write and a tokened non-ready one do not."""
+    url = f"127.0.0.1:{redis_server.port}/0"
+    stock = make_app(f"redis://{url}").backend
+    ours = make_app(f"crawlredis://{url}", crawl_lease_url=f"redis://{url}").backend
+    ours.client.set(ours.token_counter_key, 10**6)
+    tid = str(uuid.uuid4())
+    stock.store_result(tid, "stock", states.SUCCESS)
+    ours.store_result(tid, "untokened", states.SUCCESS, request=req(None))
+    ours.store_result(tid, {"pid": 1}, states.STARTED, request=req(4))
+    assert ours.get_task_meta(tid, cache=False)["result"] == "stock"
+    ours.store_result(tid, "tokened", states.SUCCESS, request=req(4))
+    assert ours.get_task_meta(tid, cache=False)["result"] == "tokened"
+    assert outcomes(ours, tid) == [("SUCCESS", "refused-stale"), ("STARTED", "refused-regression"),
+                                   ("SUCCESS", "written")]
+
+
+def test_a_ready_write_marks_its_task_finished_unless_its_run_did(backend, monkeypatch) -> None:
+    from celery_crawl import _finishing as finishing
+    from celery_crawl.backends.audited import MARKED_ATTR
+
+    marked: list[str] = []
+    monkeypatch.setattr(finishing, "mark", marked.append)
+    t1, t2, t3, t4 = (str(uuid.uuid4()) for _ in range(4))
+    backend.store_result(t1, 1, states.SUCCESS, request=req(None))
+    backend.store_result(t2, 1, states.SUCCESS, request=req(None, **{MARKED_ATTR: t2}))
+    backend.store_result(t3, ValueError("x"), states.FAILURE,
+                         request=req(None, **{MARKED_ATTR: "another task"}))
+    backend.store_result(t4, {"pid": 1}, states.STARTED, request=req(None))
+    assert marked == [t1, t3]
+
+
+class _Interrupted(BaseException):
+    """What a soft time limit raises inside a read: not an Exception."""
+
+
+def test_script_calls_reuse_a_connection_and_recover_from_every_failure(backend) -> None:
+    """The backend's own connections (``_round_trip``): reused from call to call; a connection
+    the server closed is reconnected by redis-py's retry; one whose read was interrupted is
+    disconnected, so no later call reads the interrupted call's reply."""
+    def write(token: int) -> str:
+        tid = str(uuid.uuid4())
+        backend.store_result(tid, token, states.SUCCESS, request=req(token))
+        return str(backend.get_task_meta(tid, cache=False)["result"])
+
+    assert write(11) == "11"
+    clients = len(backend.client.client_list())
+    assert [write(12 + i) for i in range(5)] == [str(12 + i) for i in range(5)]
+    assert len(backend.client.client_list()) == clients  # no connection per call
+    backend.client.client_kill_filter(_type="normal", skipme=True)  # the server drops ours
+    assert write(20) == "20"
+    assert backend._lanes is not None
+    (conn,) = backend._lanes[2]
+    read = conn.read_response
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise _Interrupted()
+
+    conn.read_response = interrupted
+    with pytest.raises(_Interrupted):
+        write(21)
+    conn.read_response = read
+    assert conn._sock is None  # disconnected: the unread reply went with the socket
+    assert write(22) == "22"
+
+
+def test_a_forked_child_writes_on_connections_of_its_own(redis_server) -> None:
+    import os
+
+    app = make_app(f"crawlredis://127.0.0.1:{redis_server.port}/0")
+    b = app.backend
+    parent_tid, child_tid = str(uuid.uuid4()), str(uuid.uuid4())
+    b.store_result(parent_tid, "before", states.STARTED, request=req(None))
+    parent_conn = b._lanes[2][0]
+    pid = os.fork()
+    if pid == 0:  # the child: a write must not use (and so not garble) the parent's socket
+        code = 1
+        try:
+            b.store_result(child_tid, "child", states.SUCCESS, request=req(None))
+            code = 0 if b._lanes[2] and b._lanes[2][0] is not parent_conn else 2
+        finally:
+            os._exit(code)
+    _, status_ = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status_) == 0
+    b.store_result(parent_tid, "after", states.SUCCESS, request=req(None))
+    assert b._lanes[2] == [parent_conn]
+    assert b.get_task_meta(parent_tid, cache=False)["result"] == "after"
+    assert b.get_task_meta(child_tid, cache=False)["result"] == "child"
+
+
+def test_ensure_retries_a_first_failed_attempt_per_policy(redis_server) -> None:
+    """``ensure`` makes its first attempt outside Celery's retry loop; a connection error
+    there is the loop's first failure: retried per policy, or given up when the policy allows
+    no retry."""
+    import redis as redis_lib
+
+    def flaky(failures: int) -> tuple[list[int], Any]:
+        calls: list[int] = []
+
+        def fun(x: int) -> int:
+            calls.append(x)
+            if len(calls) <= failures:
+                raise redis_lib.ConnectionError("dropped")
+            return x * 2
+        return calls, fun
+
+    b = make_app(f"crawlredis://127.0.0.1:{redis_server.port}/0").backend
+    calls, fun = flaky(2)
+    assert b.ensure(fun, (21,), interval_start=0, interval_step=0, interval_max=0) == 42
+    assert calls == [21, 21, 21]
+    calls, fun = flaky(1)
+    with pytest.raises(StoreUnavailable, match="dropped"):
+        b.ensure(fun, (1,), max_retries=0)
+    assert calls == [1]
+    calls, fun = flaky(100)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        b.ensure(fun, (1,), max_retries=None, timeout=0.5, interval_start=0.1,
+                 interval_step=0, interval_max=0.1)
+    assert time.monotonic() - t0 < 3.0  # the policy's timeout still ends the retries
+    assert 2 <= len(calls) <= 10
+
+
 def test_digest_survives_rich_json_values(backend) -> None:
     import datetime
     import decimal

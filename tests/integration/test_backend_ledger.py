@@ -146,6 +146,26 @@ def test_a_resumed_stale_run_cannot_finish_the_key_before_the_newer_run_writes(a
     assert backend.get_task_meta(ids["t2"], cache=False)["result"] == 1
 
 
+def test_begin_raises_the_fence_floor_never_lowers_it_and_keeps_an_expiry_set(app) -> None:
+    """The floor a run raises on its task's fence record (idem_begin.lua): set on a task's
+    first run, with the record's expiry; raised, never lowered, by later runs; an expiry the
+    record has is left alone, a record without one gets one."""
+    client, fence = app.backend.client, app.backend.fence_key(ids["t1"])
+    led = ledger(app)
+    assert led.keep_s > 5000
+    assert led.begin(ids["t1"], "5", "a").kind == "run"
+    assert client.hget(fence, "token") == b"5"
+    assert 5000 < client.ttl(fence) <= led.keep_s
+    client.expire(fence, 5000)
+    assert led.release("a") and led.begin(ids["t1"], "7", "b").kind == "run"
+    assert client.hget(fence, "token") == b"7" and client.ttl(fence) <= 5000
+    client.persist(fence)
+    assert led.release("b") and led.begin(ids["t1"], "9", "c").kind == "run"
+    assert client.hget(fence, "token") == b"9" and 5000 < client.ttl(fence) <= led.keep_s
+    assert led.release("c") and led.begin(ids["t1"], "6", "d").kind == "run"
+    assert client.hget(fence, "token") == b"9"
+
+
 def test_rollback_at_most_once_per_token_and_recovery_of_a_pending_one(app) -> None:
     led = ledger(app, ttl_s=0.3)
     failure = json.dumps({"exc_type": "ValueError", "exc_message": ["x"],
