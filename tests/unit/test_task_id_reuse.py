@@ -35,3 +35,25 @@ def test_is_successor() -> None:
     # Foreign tombstone fields read leniently; only a literal true hands off.
     assert is_successor({"handoff": True, "gen": "junk", "retries": 1}, (0, 1), "e")
     assert not is_successor({"handoff": 1, "gen": [0, 0]}, (1, 0), "e")
+
+
+def test_only_a_tombstone_that_hands_the_id_on_computes_and_carries_the_digest() -> None:
+    """The digest is compared only for a run that handed its id on (``is_successor``): any
+    other tombstone carries none, and the message is not hashed for it."""
+    from celery_crawl.worker.claims import Claimer, Held
+
+    hashed: list[int] = []
+
+    def source() -> str:
+        hashed.append(1)
+        return "d1"
+
+    claimer = Claimer(None, lambda: None, max_deliveries=3, done_ttl_s=60.0)  # type: ignore[arg-type]
+    held = Held(task_id="t", delivery_tag="x", queue="q", deliveries=1, token=5,
+                digest_source=source)
+    _, _, value = claimer.end_item(held, "done", False)
+    assert value["digest"] == "" and value["handoff"] is False and hashed == []
+    held.handoff = True
+    _, _, value = claimer.end_item(held, "done", False)
+    assert value["digest"] == "d1" and hashed == [1]
+    assert held.digest_now() == "d1" and hashed == [1]  # once
