@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import ssl
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
@@ -247,6 +248,8 @@ class RedisLeaseStore(StoreDriver):
         # Standalone: the URL's server. Cluster: the master owning the namespace's slot, found
         # on first use and again after a MOVED reply.
         self._client: redis_lib.Redis | None = None if self.cluster else connect()
+        #: (client, pid, free connections) of ``_pipelined``.
+        self._lanes: tuple[Any, int, list[Any]] | None = None
 
     @property
     def _redis(self) -> redis_lib.Redis:
@@ -389,15 +392,14 @@ class RedisLeaseStore(StoreDriver):
             for attempt in (0, 1):
                 if script.sha is None:
                     self._load_all()
-                pipe = self._redis.pipeline(transaction=False)
-                for i in todo:
-                    keys, args = calls[i]
-                    pipe.evalsha(script.sha or "", len(keys), *keys, *args)
+                commands: list[tuple[Any, ...]] = [
+                    ("EVALSHA", script.sha or "", len(calls[i][0]), *calls[i][0], *calls[i][1])
+                    for i in todo]
                 if use_wait:
-                    pipe.execute_command(
-                        "WAIT", self.wait_replicas, max(1, int(self.timeout_s * 500)))
+                    commands.append(
+                        ("WAIT", self.wait_replicas, max(1, int(self.timeout_s * 500))))
                 self.round_trips += 1
-                replies = pipe.execute(raise_on_error=False)
+                replies = self._pipelined(commands)
                 if use_wait:
                     last = replies.pop()
                     acked = None if isinstance(last, Exception) else int(last)
@@ -423,6 +425,44 @@ class RedisLeaseStore(StoreDriver):
                         raise reply
                 except StoreError as exc:
                     out[i] = exc
+        return out
+
+    def _pipelined(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``commands`` in one round trip, as a non-transactional pipeline sends them; each
+        reply in order, an error reply as its exception.
+
+        On a connection of this store's own (a free list taken from the client's pool, one
+        call per connection at a time, started again in a forked child) instead of a pipeline
+        object: the pipeline's checkout, bookkeeping and reset cost more Python than the
+        batch's own packing and parsing, and the worker sends a batch for almost every task
+        when its claims cannot ride in the broker's round trips. A connection that fails
+        other than by an error reply is disconnected (no reply is ever left unread on it);
+        the error goes to the caller's ``_translate``. The batch's commands have no reply
+        callbacks (``EVALSHA``, ``WAIT``).
+        """
+        client = self._redis
+        pid = os.getpid()
+        lanes = self._lanes
+        if lanes is None or lanes[0] is not client or lanes[1] != pid:
+            lanes = self._lanes = (client, pid, [])
+        free = lanes[2]
+        try:
+            conn = free.pop()
+        except IndexError:
+            conn = client.connection_pool.get_connection()
+        out: list[Any] = []
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+            for _ in commands:
+                try:
+                    out.append(conn.read_response())
+                except ResponseError as exc:  # read whole: the next reply follows
+                    out.append(exc)
+        except BaseException:
+            conn.disconnect()
+            free.append(conn)
+            raise
+        free.append(conn)
         return out
 
     def _load_all(self, client: redis_lib.Redis | None = None) -> None:
