@@ -47,7 +47,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import socket
 import ssl
 import time
@@ -78,6 +77,7 @@ from ..errors import (
     StoreTimeout,
     StoreUnavailable,
 )
+from ..leases._lanes import Lanes
 from ..leases.redis import token_counter_key
 
 __all__ = [
@@ -325,8 +325,8 @@ class AuditedRedisBackend(RedisBackend):
         self.checks_token_issuance: bool = self._lease_store_is_here()
         #: The highest value of the lease store's token counter read so far (it only grows).
         self._issued_floor = 0
-        #: (client, pid, free connections) of ``_round_trip``.
-        self._lanes: tuple[Any, int, list[Any]] | None = None
+        #: The connections of ``_round_trip`` (``leases._lanes``).
+        self._lanes = Lanes()
 
     # -- URL ------------------------------------------------------------------------------------
     #: ``crawlredis+cluster://`` (Celery passes the URL on as ``cluster://``).
@@ -504,17 +504,8 @@ class AuditedRedisBackend(RedisBackend):
         client = self.client
         if client.connection is not None:  # a single-connection client: its own lock
             return client.execute_command(*command)
-        pid = os.getpid()
-        lanes = self._lanes
-        if lanes is None or lanes[0] is not client or lanes[1] != pid:
-            # First use, a new client (cluster slot moved), or a forked child: none of the
-            # parent's connections is used here.
-            lanes = self._lanes = (client, pid, [])
-        free = lanes[2]
-        try:
-            conn = free.pop()
-        except IndexError:
-            conn = client.connection_pool.get_connection()
+        taken = self._lanes.take(client)
+        conn = taken[0]
 
         def send() -> Any:
             conn.send_command(*command)
@@ -523,13 +514,13 @@ class AuditedRedisBackend(RedisBackend):
         try:
             reply = conn.retry.call_with_retry(send, lambda _error: conn.disconnect())
         except redis_errors.ResponseError:
-            free.append(conn)
+            Lanes.give(taken)
             raise
         except BaseException:
-            conn.disconnect()  # e.g. a soft time limit inside the read: the reply is unread
-            free.append(conn)
+            # e.g. a soft time limit inside the read: the reply is unread.
+            Lanes.give(taken, broken=True)
             raise
-        free.append(conn)
+        Lanes.give(taken)
         callback = client.response_callbacks.get(command[0])
         return reply if callback is None else callback(reply)
 

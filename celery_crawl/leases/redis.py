@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import ssl
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
@@ -83,6 +82,7 @@ from ..errors import (
 from ._driver import StoreDriver, decoded_items
 from ._driver import dumps as _dumps
 from ._driver import loads as _loads
+from ._lanes import Lanes
 from .base import Characteristic, Claim, Lease, Taken
 
 __all__ = ["RedisLeaseStore", "is_cluster_url", "key_prefix", "parse_redis_url",
@@ -248,8 +248,8 @@ class RedisLeaseStore(StoreDriver):
         # Standalone: the URL's server. Cluster: the master owning the namespace's slot, found
         # on first use and again after a MOVED reply.
         self._client: redis_lib.Redis | None = None if self.cluster else connect()
-        #: (client, pid, free connections) of ``_pipelined``.
-        self._lanes: tuple[Any, int, list[Any]] | None = None
+        #: The connections of ``_pipelined``.
+        self._lanes = Lanes()
 
     @property
     def _redis(self) -> redis_lib.Redis:
@@ -431,25 +431,15 @@ class RedisLeaseStore(StoreDriver):
         """``commands`` in one round trip, as a non-transactional pipeline sends them; each
         reply in order, an error reply as its exception.
 
-        On a connection of this store's own (a free list taken from the client's pool, one
-        call per connection at a time, started again in a forked child) instead of a pipeline
-        object: the pipeline's checkout, bookkeeping and reset cost more Python than the
-        batch's own packing and parsing, and the worker sends a batch for almost every task
-        when its claims cannot ride in the broker's round trips. A connection that fails
-        other than by an error reply is disconnected (no reply is ever left unread on it);
-        the error goes to the caller's ``_translate``. The batch's commands have no reply
+        On a connection of this store's own (``_lanes.Lanes``) instead of a pipeline object:
+        the pipeline's checkout, bookkeeping and reset cost more Python than the batch's own
+        packing and parsing, and the worker sends a batch for almost every task when its
+        claims cannot ride in the broker's round trips. The error of a failed call goes to the
+        caller's ``_translate``. The batch's commands have no reply
         callbacks (``EVALSHA``, ``WAIT``).
         """
-        client = self._redis
-        pid = os.getpid()
-        lanes = self._lanes
-        if lanes is None or lanes[0] is not client or lanes[1] != pid:
-            lanes = self._lanes = (client, pid, [])
-        free = lanes[2]
-        try:
-            conn = free.pop()
-        except IndexError:
-            conn = client.connection_pool.get_connection()
+        taken = self._lanes.take(self._redis)
+        conn = taken[0]
         out: list[Any] = []
         try:
             conn.send_packed_command(conn.pack_commands(commands))
@@ -459,10 +449,9 @@ class RedisLeaseStore(StoreDriver):
                 except ResponseError as exc:  # read whole: the next reply follows
                     out.append(exc)
         except BaseException:
-            conn.disconnect()
-            free.append(conn)
+            Lanes.give(taken, broken=True)
             raise
-        free.append(conn)
+        Lanes.give(taken)
         return out
 
     def _load_all(self, client: redis_lib.Redis | None = None) -> None:

@@ -380,8 +380,8 @@ def test_script_calls_reuse_a_connection_and_recover_from_every_failure(backend)
     assert len(backend.client.client_list()) == clients  # no connection per call
     backend.client.client_kill_filter(_type="normal", skipme=True)  # the server drops ours
     assert write(20) == "20"
-    assert backend._lanes is not None
-    (conn,) = backend._lanes[2]
+    assert backend._lanes._free is not None
+    (conn,) = backend._lanes._free[2]
     read = conn.read_response
 
     def interrupted(*args: Any, **kwargs: Any) -> Any:
@@ -402,19 +402,19 @@ def test_a_forked_child_writes_on_connections_of_its_own(redis_server) -> None:
     b = app.backend
     parent_tid, child_tid = str(uuid.uuid4()), str(uuid.uuid4())
     b.store_result(parent_tid, "before", states.STARTED, request=req(None))
-    parent_conn = b._lanes[2][0]
+    parent_conn = b._lanes._free[2][0]
     pid = os.fork()
     if pid == 0:  # the child: a write must not use (and so not garble) the parent's socket
         code = 1
         try:
             b.store_result(child_tid, "child", states.SUCCESS, request=req(None))
-            code = 0 if b._lanes[2] and b._lanes[2][0] is not parent_conn else 2
+            code = 0 if b._lanes._free[2] and b._lanes._free[2][0] is not parent_conn else 2
         finally:
             os._exit(code)
     _, status_ = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status_) == 0
     b.store_result(parent_tid, "after", states.SUCCESS, request=req(None))
-    assert b._lanes[2] == [parent_conn]
+    assert b._lanes._free[2] == [parent_conn]
     assert b.get_task_meta(parent_tid, cache=False)["result"] == "after"
     assert b.get_task_meta(child_tid, cache=False)["result"] == "child"
 
