@@ -293,7 +293,14 @@ class Riding:
         if self.ack_line is not None and self._on_loop():
 
             def after_sent(reply: Any) -> None:
-                if isinstance(reply, redis_lib.exceptions.NoScriptError):
+                if (isinstance(reply, redis_lib.ResponseError)
+                        and str(reply).startswith(compat.KOMBU_ERROR)):
+                    # kombu's own writes failed in the script (nothing else ran): the message
+                    # stays unacked on the server; its end goes to the backlog below.
+                    logger.warning("celery-crawl: kombu's ack of %s failed on the server (%s); "
+                                   "kombu's visibility timeout redelivers it and its done "
+                                   "tombstone drops that copy", tag, reply)
+                elif isinstance(reply, redis_lib.exceptions.NoScriptError):
                     # The server ran none of it: kombu's own ack writes, then the end later.
                     try:
                         compat.remove_unacked(self.channel, tag)

@@ -423,3 +423,26 @@ def test_acks_the_server_never_answered_go_to_the_backlog(rig: Rig) -> None:
     assert got is not None and got["state"] == "done"
     assert store.claimant(keys.task_claim(task_id)) is None
     wait_until(lambda: _unacked(rig) == 0, 10.0, what="the ack made by the server")
+
+
+def test_kombus_own_ack_writes_failing_on_the_line_send_the_end_to_the_backlog(
+        rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    store = rig.step.store
+    assert store is not None
+    task_id = f"t-{uuid.uuid4().hex[:8]}"
+    rig.publish(task_id)
+    rig.receive(1)
+    probe = rig.redis.client(5)
+    probe.delete("unacked_index")
+    probe.set("unacked_index", "foreign")  # kombu's ZREM fails in the script
+    try:
+        rig.started[task_id]()
+        _answered(rig)
+        assert len(rig.step.backlog) == 1
+        assert any("kombu's ack of" in r.getMessage() for r in caplog.records)
+        assert _unacked(rig) == 1  # nothing of the script ran
+    finally:
+        probe.delete("unacked_index")
+    rig.step.drain_backlog()
+    done = store.get(keys.done(task_id))
+    assert done is not None and done["state"] == "done"
