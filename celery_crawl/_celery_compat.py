@@ -1,4 +1,4 @@
-"""Every private Celery and kombu name the package relies on, behind small named functions.
+"""Every private Celery, kombu and redis-py name the package uses, behind small named functions.
 
 Checked against Celery 5.7.0 and kombu 5.7.0. These names are not public API, so an upgrade
 may remove or change them without notice; keeping them in one module makes the exposure
@@ -35,6 +35,7 @@ __all__ = [
     "max_value_size",
     "priority_queue_key",
     "redis_channel_server",
+    "redis_socket",
     "remove_unacked",
     "request_message",
     "restore_unacked",
@@ -61,6 +62,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "kombu.transport.redis:QoS": ("_remove_from_indices",),
     "celery.backends.redis:RedisBackend": (
         "_fail_chain", "_call_task_errbacks", "_get_result_meta", "_MAX_STR_VALUE_SIZE"),
+    "redis.connection:Connection": ("_sock",),
 }
 
 #: Private methods of ``celery.backends.redis:RedisBackend`` that ``AuditedRedisBackend``
@@ -184,6 +186,12 @@ def redis_channel_server(channel: Any) -> dict[str, Any] | None:
     if not isinstance(kwargs, Mapping) or not (kwargs.get("host") or kwargs.get("path")):
         return None
     return {k: kwargs.get(k) for k in ("host", "port", "db", "path")}
+
+
+def redis_socket(conn: Any) -> Any:
+    """The socket of a connected redis-py connection (None when it has none): a loop that
+    reads the replies of commands sent without waiting watches it for readability."""
+    return getattr(conn, "_sock", None)
 
 
 def remove_unacked(channel: Any, tag: Any) -> None:

@@ -14,13 +14,18 @@ Only the common case rides: a first claim guarded by "no tombstone and no delive
 the end of a run that acks. Everything else (a tombstone or a live claim found, a failed call, a
 reject, a parked delivery) is decided or recorded the usual way, off the loop.
 
+An ack made on the consumer's loop goes out on a line of its own (``lines.ReplyLine``) without
+waiting for its reply: the script makes the ack and the end in one atomic step on the server
+whatever the client does next, and the reply only says whether the end must go to the backlog
+(an error, or no reply: the ack may or may not have been made; the done tombstone drops a
+redelivery either way) or a parked copy be woken (a hand-off).
+
 This module does not import Celery; ``ClaimStep`` installs the hooks through
 ``_celery_compat.ride_redis_acks``.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
@@ -29,8 +34,6 @@ from collections.abc import Callable
 from typing import Any
 
 import redis as redis_lib
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from .. import _celery_compat as compat
 from .._celery_compat import SENT, Ride
@@ -38,8 +41,9 @@ from ..errors import CrawlError, StoreUnavailable
 from ..leases.base import Lease
 from ..leases.redis import RedisLeaseStore
 from .claims import Claimer, Decision, Held
+from .lines import ReplyLine
 
-__all__ = ["AckLine", "Claimed", "RiddenEnd", "Riding"]
+__all__ = ["Claimed", "RiddenEnd", "Riding"]
 
 logger = logging.getLogger("celery_crawl.worker")
 
@@ -70,126 +74,6 @@ class RiddenEnd:
 Ended = Callable[[Held, str, bool, CrawlError | None], None]
 
 
-class AckLine:
-    """A connection of its own to the broker's server on which the consumer's loop sends ridden
-    acks without waiting for their replies.
-
-    Nothing on the loop needs an ack's reply: the script has made the ack and the end in one
-    atomic step on the server whatever the client does next, and the reply only says whether
-    the end must go to the backlog (an error) or a parked copy be woken (a hand-off). Waiting
-    for it cost the loop a round trip per task that stock Celery's loop also pays; here the
-    replies are read in order, without blocking, each time another ack is sent and on the
-    consumer's timer (``poll``), and all at once when the channel goes (``drain``). A failed
-    connection fails every pending ack (their ends go to the backlog: the ack may or may not
-    have been made; the done tombstone drops a redelivery either way).
-
-    Used from the consumer's loop only (one thread); the lock guards ``drain`` at shutdown.
-
-    Args:
-        connect: a new, unconnected redis-py connection to the broker's server and database.
-    """
-
-    def __init__(self, connect: Callable[[], Any]) -> None:
-        self._connect = connect
-        self._conn: Any = None
-        self._lock = threading.Lock()
-        #: (what to do with the reply, when it was sent (monotonic)), in sending order.
-        self._pending: collections.deque[tuple[Callable[[Any], None], float]] = (
-            collections.deque())
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def send(self, command: tuple[Any, ...], after: Callable[[Any], None]) -> bool:
-        """Send ``command``; ``after`` gets its reply later (None if the connection failed).
-        False when it could not be sent (nothing pending for it): the caller sends it the
-        usual way."""
-        with self._lock:
-            self._read_ready()
-            try:
-                if self._conn is None:
-                    self._conn = self._connect()
-                    self._conn.connect()
-                self._conn.send_command(*command, check_health=False)
-            except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError) as exc:
-                logger.info("celery-crawl: the ack line is down (%s); acking the usual way", exc)
-                self._fail()
-                return False
-            self._pending.append((after, time.monotonic()))
-            return True
-
-    def poll(self, overdue_s: float | None = None) -> None:
-        """Read the replies that have come; fail everything pending when the oldest has waited
-        ``overdue_s`` (a server that stopped answering)."""
-        with self._lock:
-            self._read_ready()
-            if (overdue_s is not None and self._pending
-                    and time.monotonic() - self._pending[0][1] >= overdue_s):
-                logger.warning("celery-crawl: %d ridden ack(s) unanswered for %.0fs; their ends "
-                               "go to the backlog", len(self._pending), overdue_s)
-                self._fail()
-
-    def drain(self) -> None:
-        """Wait for every pending reply (the channel is going), within the connection's read
-        timeout; then close."""
-        with self._lock:
-            while self._pending:
-                after, _ = self._pending[0]
-                try:
-                    reply = self._read_one()
-                except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
-                    self._fail()
-                    break
-                self._pending.popleft()
-                after(reply)
-            self._close()
-
-    def _read_ready(self) -> None:
-        conn = self._conn
-        while self._pending and conn is not None:
-            try:
-                if not conn.can_read(timeout=0):
-                    return
-                reply = self._read_one()
-            except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
-                self._fail()
-                return
-            after, _ = self._pending.popleft()
-            after(reply)
-
-    def _read_one(self) -> Any:
-        try:
-            return self._conn.read_response()
-        except redis_lib.ResponseError as exc:  # the script's error: its reply
-            return exc
-
-    def _fail(self) -> None:
-        pending, self._pending = self._pending, collections.deque()
-        self._close()
-        for after, _ in pending:
-            after(None)
-
-    def _close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.disconnect()
-            except Exception:  # already broken
-                logger.debug("celery-crawl: closing the ack line", exc_info=True)
-
-
-def ack_line_for(pool: Any, timeout_s: float) -> AckLine:
-    """An ``AckLine`` to the server of redis-py connection pool ``pool`` (the broker channel's):
-    the same connection class and settings, but connect and read bounded by ``timeout_s``
-    (``crawl_store_timeout``: the loop connects it and a shutdown drains it), without health
-    checks (a PING would read a pending ack's reply) or retries (a reconnection would lose the
-    pending replies)."""
-    kwargs = {**pool.connection_kwargs, "health_check_interval": 0,
-              "retry": Retry(NoBackoff(), 0), "socket_timeout": timeout_s,
-              "socket_connect_timeout": timeout_s}
-    return AckLine(lambda: pool.connection_class(**kwargs))
-
-
 class Riding:
     """The claims and ends of one broker channel that ride in its round trips.
 
@@ -201,13 +85,13 @@ class Riding:
     """
 
     def __init__(self, store: RedisLeaseStore, claimer: Claimer, channel: Any,
-                 ended: Ended, *, ack_line: AckLine | None = None,
+                 ended: Ended, *, ack_line: ReplyLine | None = None,
                  on_loop: Callable[[], bool] = lambda: False) -> None:
         self.store = store
         self.claimer = claimer
         self.channel = channel
         self._ended = ended
-        #: Where acks made on the consumer's loop are sent without waiting (``AckLine``).
+        #: Where acks made on the consumer's loop are sent without waiting.
         self.ack_line = ack_line
         self._on_loop = on_loop
         self._lock = threading.Lock()

@@ -48,6 +48,10 @@ def _instance(spec: str) -> Any:
             return None
 
         return Request(TaskMessage("celery_crawl_compat_test.noop"), app=app)
+    if spec == "redis.connection:Connection":
+        from redis.connection import Connection
+
+        return Connection()
     if spec == "kombu.transport.virtual.base:Message":
         from kombu.transport.virtual.base import Message
 
