@@ -715,23 +715,34 @@ class RedisLeaseStore(StoreDriver):
                 return exc
         return reply
 
+    def line_pool(self) -> Any:
+        """The redis-py connection pool a connection of the caller's own may be made from, to
+        send this store's script calls without waiting (``claim_command``, ``finish_command``
+        with no ``unacked``); None on a cluster (the namespace's master may move) or with
+        ``redis_wait_replicas`` (the ``WAIT`` must follow the write on the same connection)."""
+        if self.cluster or self.wait_replicas > 0:
+            return None
+        return self._redis.connection_pool
+
     def claim_command(self, lease: Lease, key: str, value: Mapping[str, Any],
-                      guarded: Sequence[tuple[str, str]], unacked: tuple[Sequence[Any],
-                                                                         Sequence[Any]]
+                      guarded: Sequence[tuple[str, str]],
+                      unacked: tuple[Sequence[Any], Sequence[Any]] | None = None
                       ) -> tuple[tuple[Any, ...], Callable[[Any], int | CrawlError | None]]:
-        """``claim_unless_changed`` as the script call that replaces another client's round
-        trip to this server (``shares_server``), and what its reply means: the token, None
-        (held by a live claim), or the error. ``unacked`` are the broker's keys and arguments
-        of its unacked record of the delivery, written first (``ride_append.lua``). A reply
-        that needs the previous claimant's lease keys declared is ``RecordChanged``: the
-        caller decides that delivery by reading first."""
+        """``claim_unless_changed`` as one script call for the caller to send (on a connection
+        of ``line_pool``, or in another client's round trip to this server: ``shares_server``),
+        and what its reply means: the token, None (held by a live claim), or the error.
+        ``unacked``: the broker's keys and arguments of its unacked record of the delivery,
+        written first (``ride_append.lua``). A reply that needs the previous claimant's lease
+        keys declared is ``RecordChanged``: the caller decides that delivery by reading
+        first."""
         keys, args = self._claim_unless_args(lease, key, value, guarded)
-        first_keys, first_args = unacked
-        command = ("EVALSHA", self._sha("ride_claim"), len(keys) + len(first_keys),
+        name = "claim_unless" if unacked is None else "ride_claim"
+        first_keys, first_args = unacked or ((), ())
+        command = ("EVALSHA", self._sha(name), len(keys) + len(first_keys),
                    *first_keys, *keys, *first_args, *args)
 
         def outcome(reply: Any) -> int | CrawlError | None:
-            got = self._ridden("ride_claim", reply)
+            got = self._ridden(name, reply)
             if isinstance(got, CrawlError):
                 return got
             if int(got[0]) == -2:
@@ -742,21 +753,22 @@ class RedisLeaseStore(StoreDriver):
         return command, outcome
 
     def finish_command(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                       ttl_s: float, unacked: tuple[Sequence[Any], Sequence[Any]]
+                       ttl_s: float,
+                       unacked: tuple[Sequence[Any], Sequence[Any]] | None = None
                        ) -> tuple[tuple[Any, ...], Callable[[Any], CrawlError | None]]:
-        """``finish_claim`` as the script call that replaces another client's round trip to
-        this server, and what its reply means (None when recorded, else the error).
-        ``unacked`` are the broker's keys and arguments of its ack, made first
-        (``ride_ack.lua``)."""
-        first_keys, first_args = unacked
-        command = ("EVALSHA", self._sha("ride_finish"), 4 + len(first_keys), *first_keys,
+        """``finish_claim`` as one script call for the caller to send (as ``claim_command``),
+        and what its reply means (None when recorded, else the error). ``unacked``: the
+        broker's keys and arguments of its ack, made first (``ride_ack.lua``)."""
+        name = "finish" if unacked is None else "ride_finish"
+        first_keys, first_args = unacked or ((), ())
+        command = ("EVALSHA", self._sha(name), 4 + len(first_keys), *first_keys,
                    self._k("rec", record), self._k("claim", key),
                    self._k("claims-of", lease.name), self._index_key, *first_args,
                    _dumps(value, record), self._ttl_ms(ttl_s, "ttl_s"), lease.name,
                    lease.holder, lease.token)
 
         def outcome(reply: Any) -> CrawlError | None:
-            got = self._ridden("ride_finish", reply)
+            got = self._ridden(name, reply)
             return got if isinstance(got, CrawlError) else None
 
         return command, outcome

@@ -42,7 +42,7 @@ from .. import _finishing as finishing
 from .. import _issued as issued
 from .. import keys, metrics
 from ..config import CrawlConfig
-from ..errors import LeaseLost, PoisonMessage, StoreError
+from ..errors import CrawlError, LeaseLost, PoisonMessage, StoreError, StoreUnavailable
 from ..leases.base import Lease, LeaseStore
 from ..leases.redis import RedisLeaseStore
 from .backlog import Backlog
@@ -61,8 +61,10 @@ from .context import CLAIM_HEADER
 from .delivery import Delivery
 from .keeper import Keeper
 from .lease_step import LeaseStep
+from .lines import Watch, line_for
 from .offload import Offloader
-from .riding import Riding, ack_line_for
+from .riding import Riding
+from .store_line import StoreLine, store_line_for
 
 __all__ = ["ClaimStep"]
 
@@ -118,6 +120,9 @@ class ClaimStep(bootsteps.StartStopStep):
         #: Claims and ends riding in the current channel's own round trips (``riding.py``);
         #: None when the lease store is not the broker's Redis server.
         self._riding: Riding | None = None
+        #: Claims and ends the loop sends to the lease store without waiting (``store_line``);
+        #: None when they ride or the store cannot have one.
+        self._line: StoreLine | None = None
 
     # -- what the worker step holds ----------------------------------------------------------
     @property
@@ -170,6 +175,7 @@ class ClaimStep(bootsteps.StartStopStep):
         riding = self._riding
         if riding is not None and riding.ack_line is not None:
             riding.ack_line.drain()  # what the acks sent last recorded, before the backlog
+        self._close_line()
         if lease_held:
             self.drain_backlog()
             self._forget_unstarted(everything=True)
@@ -185,6 +191,10 @@ class ClaimStep(bootsteps.StartStopStep):
         self._unride()
         self.consumer = c
         self._ride(c)
+        if self._riding is None:
+            hub = getattr(self.worker, "hub", None)
+            self._line = store_line_for(self.store, self.claimer, self.config.store_timeout_s,
+                                        self._watch(), getattr(hub, "call_soon", None))
         # The consumer's loop runs on this thread.
         self._loop_ident = threading.get_ident()
         self._loop_running = True
@@ -210,11 +220,27 @@ class ClaimStep(bootsteps.StartStopStep):
         if channel is None or where is None or not store.shares_server(where):
             return
         self._riding = Riding(store, claimer, channel, self._ride_ended,
-                              ack_line=ack_line_for(channel.pool, self.config.store_timeout_s),
+                              ack_line=line_for(channel.pool, self.config.store_timeout_s,
+                                                name="ack line", watch=self._watch()),
                               on_loop=self._offloading)
         compat.ride_redis_acks(channel, self._on_append, self._on_ack)
         logger.info("celery-crawl: the lease store is the broker's Redis database: claims and "
                     "ends ride in the broker's own round trips")
+
+    def _watch(self) -> Watch | None:
+        """The loop's reader registration, for lines whose replies should be read as soon as
+        they come (None on a hub without one)."""
+        hub = getattr(self.worker, "hub", None)
+        add, remove = (getattr(hub, "add_reader", None), getattr(hub, "remove_reader", None))
+        if add is None or remove is None:
+            return None
+        return add, remove
+
+    def _close_line(self) -> None:
+        """Wait for the replies of what the loop sent on the claim line, and close it."""
+        line, self._line = self._line, None
+        if line is not None:
+            line.line.drain()
 
     def _unride(self) -> None:
         """The channel is gone (a reconnection, a stop): what waited on its round trips is
@@ -374,6 +400,7 @@ class ClaimStep(bootsteps.StartStopStep):
         # (acks of recorded ends go out; decisions are not applied, see ``_apply_later``).
         self._loop_running = False
         self._unride()
+        self._close_line()
         self._offload.stop()
         entry, self._recheck_entry = self._recheck_entry, None
         if entry is not None:
@@ -416,7 +443,8 @@ class ClaimStep(bootsteps.StartStopStep):
             held = claimed.held if claimed is not None else step._held(message, task_name)
             held.delivery = delivery
             if step._offloading():
-                step._decide_later(held)
+                if not step._send_claim(held):
+                    step._decide_later(held)
             else:
                 step._decide(held)
             return None
@@ -460,6 +488,32 @@ class ClaimStep(bootsteps.StartStopStep):
             self._in_loop(fn)
         else:
             fn()
+
+    def _send_claim(self, held: Held) -> bool:
+        """Loop: send a fresh delivery's claim on the claim line (False: not sent)."""
+        line = self._line
+        lease = self.keeper.lease if self.keeper else None
+        if line is None or lease is None:
+            return False
+
+        def undecided() -> None:
+            self._offload.submit(functools.partial(self._decide_off_loop, held, None))
+
+        def unknown() -> None:
+            self._offload.submit(functools.partial(self._decide_off_loop, held, lease))
+
+        return line.claim(held, lease, lambda d: self._apply_later(held, d, lease),
+                          undecided, unknown)
+
+    def _decide_off_loop(self, held: Held, unknown_under: Lease | None
+                         ) -> Callable[[], None]:
+        """Offload thread: decide by reading a delivery whose claim line reply did not decide
+        it; ``unknown_under``: the line failed before its reply, so the claim it sent under
+        that lease may have been made: dropped first if so (the delivery is not held yet)."""
+        if unknown_under is not None:
+            self._drop_if_unheld(held, unknown_under)
+        decision, claimed_under = self._decision_for(held, presume_fresh=False)
+        return functools.partial(self._apply_later, held, decision, claimed_under)
 
     def _decide_later(self, held: Held) -> None:
         """Decide a fresh delivery on the offload thread; apply the decision on the loop."""
@@ -527,7 +581,8 @@ class ClaimStep(bootsteps.StartStopStep):
                 logger.warning("celery-crawl: restoring a delivery of the old connection "
                                "failed (%s); kombu's visibility timeout will", exc)
 
-    def _decision_for(self, held: Held) -> tuple[Decision, Lease | None]:
+    def _decision_for(self, held: Held, *, presume_fresh: bool = True
+                      ) -> tuple[Decision, Lease | None]:
         """The store part of a decision, and the lease its claim was made under."""
         assert self.claimer is not None
         self._decided.lease = None
@@ -537,7 +592,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 exchange=held.exchange, routing_key=held.routing_key,
                 retries=held.retries, generation=held.generation, digest=held.digest_now(),
                 known_deliveries=held.deliveries, parked=held.parked,
-                holder=held.holder, alive_at=held.alive_at)
+                holder=held.holder, alive_at=held.alive_at, presume_fresh=presume_fresh)
         except StoreError as exc:
             # Fail closed: neither run nor drop; look again on the next re-check.
             logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, exc)
@@ -613,7 +668,8 @@ class ClaimStep(bootsteps.StartStopStep):
             if self._ride_end(held, "done", False):
                 return settle()
             if self._offloading():
-                self._complete_later(held, "done", False, settle)
+                if not self._send_end(held, "done", False, settle):
+                    self._complete_later(held, "done", False, settle)
                 return None
             self._complete(held, "done", requeue=False)
             return settle()
@@ -694,6 +750,33 @@ class ClaimStep(bootsteps.StartStopStep):
         tombstone is written before the ack, as on the synchronous path."""
 
         self._offload.submit_item("finish", (held, state, requeue, settle))
+
+    def _send_end(self, held: Held, state: str, requeue: bool,
+                  settle: Callable[[], Any]) -> bool:
+        """Loop: send a run's end on the claim line and settle its message once the reply
+        came (the tombstone is written before the ack); False: not sent (nothing done)."""
+        line = self._line
+        lease = self.keeper.lease if self.keeper else None
+        if (line is None or lease is None or held.token is None
+                or lease.name != held.lease_name):
+            return False
+        held.handoff = finishing.take(held.task_id)
+        if self.book.pop(held) is None:  # released meanwhile: nothing to record
+            _settle_unless_fenced(held, settle)
+            return True
+
+        def ended(error: CrawlError | None) -> None:
+            if error is not None:
+                logger.warning("celery-crawl: recording the end of %s failed (%s); will retry",
+                               held.task_id, error)
+                self._defer(held, state, requeue)
+            elif held.handoff:
+                self._wake_parked(held.task_id)
+            _settle_unless_fenced(held, settle)
+
+        if not line.end(held, state, requeue, lease, ended):
+            ended(StoreUnavailable("the claim line is down"))
+        return True
 
     def _complete_batch(self, ends: list[tuple[Held, str, bool, Callable[[], Any]]]
                         ) -> list[Callable[[], None]]:
@@ -831,6 +914,8 @@ class ClaimStep(bootsteps.StartStopStep):
         riding = self._riding
         if riding is not None:
             self._sweep_rides(riding, overdue_s=self._ride_overdue_s)
+        if self._line is not None:
+            self._line.line.poll(self._ride_overdue_s)
         parked = [h for h in self.book.snapshot() if h.parked and not h.fenced]
         if not parked:
             return
