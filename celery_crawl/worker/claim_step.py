@@ -266,24 +266,34 @@ class ClaimStep(bootsteps.StartStopStep):
                 self._offload.submit(functools.partial(self._give_back, [gone],
                                                        restore=False))
         for held, lease in unknown:
-            self._offload.submit(functools.partial(self._drop_if_unheld, held, lease))
+            self._offload.submit(functools.partial(self._drop_unheld_job, held, lease))
         for end in riding.overdue(overdue_s):
             logger.info("celery-crawl: %s[%s]: its ack did not carry its end; recording it "
                         "separately", end.held.task_name, end.held.task_id)
             self._defer(end.held, end.state, end.requeue)
 
-    def _drop_if_unheld(self, held: Held, lease: Lease) -> None:
-        """An append whose round trip failed may have made its claim: drop it if so (the
-        message did not reach a strategy here)."""
+    def _drop_unheld_job(self, held: Held, lease: Lease) -> None:
+        """Offload job: ``_drop_if_unheld`` (nothing follows on the loop)."""
+        self._drop_if_unheld(held, lease)
+
+    def _drop_if_unheld(self, held: Held, lease: Lease) -> bool:
+        """A claim call whose reply never came may have made its claim: drop it if so (no run
+        here holds it). True when one was dropped."""
         if self.store is None:
-            return
+            return False
+        key = keys.task_claim(held.task_id)
         with contextlib.suppress(StoreError, LeaseLost):
-            current = self.store.claimant(keys.task_claim(held.task_id))
+            current = self.store.claimant(key)
             if (current is None or current.lease_name != lease.name
+                    or current.holder != lease.holder
                     or current.value.get("delivery_tag") != json_tag(held.delivery_tag)
                     or any(h.token == current.token for h in self.book.snapshot())):
-                return
-            self.store.drop_claim(current)
+                return False
+            # Bound to our live lease, so only an unclaim deletes it (``drop_claim`` takes
+            # orphans of dead leases only). No other claim of the key can be made meanwhile:
+            # this one, alive, stands in its way.
+            return bool(self.store.unclaim(lease, key))
+        return False
 
     def _on_append(self, message: Any, unacked_keys: list[Any], unacked_args: list[Any]
                    ) -> Any:
@@ -581,8 +591,8 @@ class ClaimStep(bootsteps.StartStopStep):
                 logger.warning("celery-crawl: restoring a delivery of the old connection "
                                "failed (%s); kombu's visibility timeout will", exc)
 
-    def _decision_for(self, held: Held, *, presume_fresh: bool = True
-                      ) -> tuple[Decision, Lease | None]:
+    def _decision_for(self, held: Held, *, presume_fresh: bool = True,
+                      own_claim_dropped: bool = False) -> tuple[Decision, Lease | None]:
         """The store part of a decision, and the lease its claim was made under."""
         assert self.claimer is not None
         self._decided.lease = None
@@ -598,6 +608,16 @@ class ClaimStep(bootsteps.StartStopStep):
             logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, exc)
             decision = Decision(Outcome.PARK, deliveries=held.deliveries, holder=held.holder,
                                 alive_at=held.alive_at)
+        lease = self.keeper.lease if self.keeper else None
+        if (decision.outcome is Outcome.PARK and lease is not None and not own_claim_dropped
+                and decision.holder == lease.holder and self._drop_if_unheld(held, lease)):
+            # Parked behind a claim of this very delivery under our own lease that no run here
+            # holds: a claim call of ours that was made but whose reply was lost (a timeout, a
+            # line that failed), and whose drop failed too. Our lease keeps it alive, so
+            # waiting for it would wait forever: dropped, and the delivery decided again.
+            logger.info("celery-crawl: %s was parked behind a claim of its own whose reply "
+                        "was lost; claiming it again", held.task_id)
+            return self._decision_for(held, presume_fresh=False, own_claim_dropped=True)
         return decision, getattr(self._decided, "lease", None)
 
     def _decide(self, held: Held) -> None:
