@@ -195,6 +195,9 @@ class ClaimStep(bootsteps.StartStopStep):
             hub = getattr(self.worker, "hub", None)
             self._line = store_line_for(self.store, self.claimer, self.config.store_timeout_s,
                                         self._watch(), getattr(hub, "call_soon", None))
+            if self._line is not None:
+                logger.info("celery-crawl: claims and ends go out from the consumer's loop on "
+                            "a claim line to %s, without waiting", self._line.store.url)
         # The consumer's loop runs on this thread.
         self._loop_ident = threading.get_ident()
         self._loop_running = True
@@ -1146,6 +1149,7 @@ class ClaimStep(bootsteps.StartStopStep):
             "fenced": self.fenced_count, "duplicates_dropped": self.duplicates,
             "poisoned": self.poisoned, "backlog": len(self.backlog),
             "rides_broker": self._riding is not None,
+            "claim_line": self._line is not None,
         }
 
     def claims(self) -> list[dict[str, Any]]:

@@ -198,6 +198,8 @@ def test_a_claim_and_an_end_go_out_on_the_loop_without_a_store_round_trip(rig: R
     assert store.claimant(keys.task_claim(task_id)) is None
     # Nothing went to the offload thread: no claim, end or decision was handed to it.
     assert not rig.step._offload._started
+    assert rig.step.status()["claim_line"] is True
+    assert rig.step.status()["rides_broker"] is False
 
 
 def test_the_loop_does_not_wait_for_a_frozen_store(rig: Rig) -> None:

@@ -367,3 +367,53 @@ def test_task_that_finished_during_a_whole_store_outage_is_not_run_again(
         assert len(runs(combo, key)) == 1, runs(combo, key)
         assert [r["accepted"] for r in runs(combo, key, "finished")] == [True]
         assert fresh_redis.client(1).hlen("unacked") == 0
+
+
+@pytest.mark.parametrize(("pool", "freeze_s"), [("prefork", 13.0), ("threads", 2.0)])
+def test_a_lease_store_freeze_under_a_rabbitmq_stream_runs_each_task_once(
+    redis_srv: RedisServer, fresh_redis: RedisServer, rabbit_url: str, tmp_path: Path,
+    pool: str, freeze_s: float,
+) -> None:
+    """RabbitMQ broker, a lease store of its own: claims and ends go out on the consumer's
+    claim line. The store freezes (SIGSTOP) while two workers drain a stream of short tasks,
+    so claims and ends sit on the line unanswered. A short freeze only delays them; one
+    longer than the line's overdue bound (10 s) fails them: the claims are decided again by
+    reading (which times out too, so they park), the ends go to the backlog, and when the
+    store resumes it still executes the claims it had buffered, leaving claims of our own
+    live lease that no run holds in front of parked deliveries. Every task still runs and
+    commits exactly once, none stays parked, and nothing is left claimed."""
+    combo = Combo(broker=rabbit_url, backend=redis_srv.url_db(2), lease=fresh_redis.url_db(0),
+                  sink=redis_srv.url_db(3), pool=pool,
+                  # Longer than the freeze plus a renewal's timeout: the lease is kept.
+                  extra_env={"CRAWL_T_TTL": str(freeze_s + 8)})
+    keys = [f"{combo.ns}-{i}" for i in range(60)]
+    assert fresh_redis.proc is not None
+    with workers(combo, tmp_path) as ws:
+        a, b = ws.start("a", wait=False), ws.start("b", wait=False)
+        ws.wait_ready("a")
+        ws.wait_ready("b")
+        for proc in (a, b):
+            assert "on a claim line" in proc.log(), proc.log()[-3000:]
+        for k in keys[:20]:
+            send(combo, k, 0.05)
+        wait_until(lambda: runs(combo, keys[0], "finished"), 30, what="the stream under way")
+        os.kill(fresh_redis.proc.pid, signal.SIGSTOP)
+        try:
+            for k in keys[20:]:  # delivered, claimed and ended while the store is frozen
+                send(combo, k, 0.05)
+            time.sleep(freeze_s)  # the fault: an outage of that length (nothing to wait for)
+        finally:
+            os.kill(fresh_redis.proc.pid, signal.SIGCONT)
+        for k in keys:
+            wait_until(lambda k=k: runs(combo, k, "finished"), 90,
+                       what=f"{k} finished")
+        # Long enough for a stray second delivery to have run.
+        time.sleep(2 * TTL_S)
+        logs = a.log() + b.log()
+        assert "worker lease lost" not in logs
+        for k in keys:
+            assert len(runs(combo, k)) == 1, (k, runs(combo, k))
+            assert [r["accepted"] for r in runs(combo, k, "finished")] == [True]
+        store = fresh_redis.client(0)
+        wait_until(lambda: not [key for key in store.scan_iter("*claim:task:*")],
+                   30, what="no claim left")
