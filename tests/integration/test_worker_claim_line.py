@@ -29,7 +29,7 @@ from celery_crawl.worker.steps import ClaimStep, LeaseStep
 from tests.queued_hub import QueuedHub
 from tests.servers import RedisServer, wait_until
 
-#: Long enough that the freezes below (2 s at most) never cost the worker its lease.
+#: Long enough that the freezes below (3 s at most) never cost the worker its lease.
 TTL_S = 8.0
 TASK = "linetest.work"
 
@@ -211,7 +211,7 @@ def test_the_loop_does_not_wait_for_a_frozen_store(rig: Rig) -> None:
     rig.publish(task_id)
     pid = rig.store_server.proc.pid
     os.kill(pid, signal.SIGSTOP)
-    resume = threading.Timer(2.0, os.kill, (pid, signal.SIGCONT))
+    resume = threading.Timer(3.0, os.kill, (pid, signal.SIGCONT))
     resume.start()
     try:
         began = time.monotonic()
@@ -220,10 +220,10 @@ def test_the_loop_does_not_wait_for_a_frozen_store(rig: Rig) -> None:
         pending = len(rig.line)
     finally:
         resume.join()
-    assert took < 1.0 and pending == 1, f"the claim waited ({took:.2f}s, {pending} pending)"
+    assert took < 1.5 and pending == 1, f"the claim waited ({took:.2f}s, {pending} pending)"
     rig.loop_until(lambda: task_id in rig.started, 10.0, what="the task started")
     os.kill(pid, signal.SIGSTOP)
-    resume = threading.Timer(2.0, os.kill, (pid, signal.SIGCONT))
+    resume = threading.Timer(3.0, os.kill, (pid, signal.SIGCONT))
     resume.start()
     try:
         began = time.monotonic()
@@ -231,7 +231,7 @@ def test_the_loop_does_not_wait_for_a_frozen_store(rig: Rig) -> None:
         took = time.monotonic() - began
     finally:
         resume.join()
-    assert took < 1.0, f"the end waited for the frozen store ({took:.2f}s)"
+    assert took < 1.5, f"the end waited for the frozen store ({took:.2f}s)"
     rig.loop_until(lambda: rig.unacked() == 0, 10.0, what="the ack after the end")
     assert rig.starts[task_id] == 1
 
