@@ -789,12 +789,7 @@ class ClaimStep(bootsteps.StartStopStep):
             return True
 
         def ended(error: CrawlError | None) -> None:
-            if error is not None:
-                logger.warning("celery-crawl: recording the end of %s failed (%s); will retry",
-                               held.task_id, error)
-                self._defer(held, state, requeue)
-            elif held.handoff:
-                self._wake_parked(held.task_id)
+            self._ride_ended(held, state, requeue, error)  # the same outcomes as a ridden end
             _settle_unless_fenced(held, settle)
 
         if not line.end(held, state, requeue, lease, ended):
