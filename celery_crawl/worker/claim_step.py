@@ -189,6 +189,7 @@ class ClaimStep(bootsteps.StartStopStep):
             # redelivers them), so their claims must go too or the copies would park forever.
             self._forget_unstarted(everything=False)
         self._unride()
+        self._close_line()  # a start without a stop first: the old line's replies are read
         self.consumer = c
         self._ride(c)
         if self._riding is None:
