@@ -664,14 +664,17 @@ class RedisLeaseStore(StoreDriver):
 
     def finish_claims(self, lease: Lease,
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
-                      ttl_s: float) -> list[bool | CrawlError]:
+                      ttl_s: float,
+                      tokens: Sequence[int | None] | None = None) -> list[bool | CrawlError]:
         """``finish_claim`` for many ``(claim key, record, value)``, each its own atomic script,
         all in one round trip. Per item: whether the claim was deleted, or the error."""
         ttl_ms = self._ttl_ms(ttl_s, "ttl_s")
+        named = list(tokens) if tokens is not None else [None] * len(items)
         calls = [([self._k("rec", record), self._k("claim", key),
                    self._k("claims-of", lease.name), self._index_key],
-                  [_dumps(value, record), ttl_ms, lease.name, lease.holder, lease.token])
-                 for key, record, value in items]
+                  [_dumps(value, record), ttl_ms, lease.name, lease.holder, lease.token,
+                   _claim_token_arg(token)])
+                 for (key, record, value), token in zip(items, named, strict=True)]
         return [r if isinstance(r, CrawlError) else bool(r)
                 for r in self._eval_batch("finish", calls)]
 
@@ -753,7 +756,7 @@ class RedisLeaseStore(StoreDriver):
         return command, outcome
 
     def finish_command(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                       ttl_s: float,
+                       ttl_s: float, token: int | None = None,
                        unacked: tuple[Sequence[Any], Sequence[Any]] | None = None
                        ) -> tuple[tuple[Any, ...], Callable[[Any], CrawlError | None]]:
         """``finish_claim`` as one script call for the caller to send (as ``claim_command``),
@@ -765,7 +768,7 @@ class RedisLeaseStore(StoreDriver):
                    self._k("rec", record), self._k("claim", key),
                    self._k("claims-of", lease.name), self._index_key, *first_args,
                    _dumps(value, record), self._ttl_ms(ttl_s, "ttl_s"), lease.name,
-                   lease.holder, lease.token)
+                   lease.holder, lease.token, _claim_token_arg(token))
 
         def outcome(reply: Any) -> CrawlError | None:
             got = self._ridden(name, reply)
@@ -817,13 +820,14 @@ class RedisLeaseStore(StoreDriver):
         claims = self._claims_from(flat, strict=True)
         return claims[0] if claims else None
 
-    def unclaim(self, lease: Lease, key: str) -> bool:
-        """Delete claim ``key`` if it is bound to ``lease``; True if deleted."""
+    def unclaim(self, lease: Lease, key: str, *, token: int | None = None) -> bool:
+        """Delete claim ``key`` if it is bound to ``lease`` (and carries ``token``, if given);
+        True if deleted."""
         reply, _ = self._eval(
             "unclaim",
             [self._k("claim", key), self._k("claims-of", lease.name), self._index_key,
              self._k("lease", lease.name)],
-            [lease.name, lease.holder, "unclaim", lease.token],
+            [lease.name, lease.holder, "unclaim", lease.token, _claim_token_arg(token)],
         )
         return bool(reply)
 
@@ -896,7 +900,7 @@ class RedisLeaseStore(StoreDriver):
             "unclaim",
             [self._k("claim", claim.key), self._k("claims-of", claim.lease_name),
              self._index_key, self._k("lease", claim.lease_name)],
-            [claim.lease_name, claim.holder, "drop", claim.token],
+            [claim.lease_name, claim.holder, "drop", claim.token, ""],
         )
         return bool(reply)
 
@@ -1106,3 +1110,8 @@ def _token(raw: Any, what: str) -> int:
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _claim_token_arg(token: int | None) -> str:
+    """A claim token as the end and unclaim scripts compare it ('' names no claim)."""
+    return "" if token is None else str(int(token))

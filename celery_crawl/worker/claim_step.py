@@ -296,7 +296,7 @@ class ClaimStep(bootsteps.StartStopStep):
             # Bound to our live lease, so only an unclaim deletes it (``drop_claim`` takes
             # orphans of dead leases only). No other claim of the key can be made meanwhile:
             # this one, alive, stands in its way.
-            return bool(self.store.unclaim(lease, key))
+            return bool(self.store.unclaim(lease, key, token=current.token))
         return False
 
     def _on_append(self, message: Any, unacked_keys: list[Any], unacked_args: list[Any]

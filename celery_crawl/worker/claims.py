@@ -462,7 +462,7 @@ class Claimer:
         if held.token is not None and lease is not None and lease.name == held.lease_name:
             # Record and unclaim in one atomic store operation (record first).
             self.store.finish_claim(lease, keys.task_claim(held.task_id), *record,
-                                    ttl_s=self.done_ttl_s)
+                                    ttl_s=self.done_ttl_s, token=held.token)
             return
         self.store.put(*record, ttl_s=self.done_ttl_s)
         self.drop(held, lease)
@@ -484,12 +484,15 @@ class Claimer:
                     out[i] = exc
         if batch and lease is not None:
             items = []
+            tokens: list[int | None] = []
             for i in batch:
                 held, state, requeue = ends[i]
                 record, value = self._end_record(held, state, requeue)
                 items.append((keys.task_claim(held.task_id), record, value))
+                tokens.append(held.token)
             try:
-                replies = self.store.finish_claims(lease, items, ttl_s=self.done_ttl_s)
+                replies = self.store.finish_claims(lease, items, ttl_s=self.done_ttl_s,
+                                                   tokens=tokens)
             except StoreError as exc:
                 replies = [exc] * len(items)
             for i, reply in zip(batch, replies, strict=True):
@@ -514,7 +517,7 @@ class Claimer:
         lease = lease if lease is not None else self._lease()
         if lease is not None and lease.name == held.lease_name:
             try:
-                self.store.unclaim(lease, keys.task_claim(held.task_id))
+                self.store.unclaim(lease, keys.task_claim(held.task_id), token=held.token)
                 return
             except LeaseLost:
                 pass

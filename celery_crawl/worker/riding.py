@@ -167,7 +167,7 @@ class Riding:
                                                          waiting.requeue)
         command, outcome = self.store.finish_command(
             waiting.lease, claim_key, record, value, ttl_s=self.claimer.done_ttl_s,
-            unacked=(unacked_keys, unacked_args))
+            token=waiting.held.token, unacked=(unacked_keys, unacked_args))
 
         def after(reply: Any) -> None:
             error = (StoreUnavailable("the broker round trip carrying the end failed")
