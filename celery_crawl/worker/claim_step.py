@@ -291,7 +291,7 @@ class ClaimStep(bootsteps.StartStopStep):
             if (current is None or current.lease_name != lease.name
                     or current.holder != lease.holder
                     or current.value.get("delivery_tag") != json_tag(held.delivery_tag)
-                    or any(h.token == current.token for h in self.book.snapshot())):
+                    or self.book.has_token(current.token)):
                 return False
             # Bound to our live lease, so only an unclaim deletes it (``drop_claim`` takes
             # orphans of dead leases only). No other claim of the key can be made meanwhile:
@@ -337,7 +337,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 or not riding.carries(held.message) or compat.channel_gone(held.message)):
             return False
         held.handoff = finishing.take(held.task_id)
-        if self.book.pop(held) is None:
+        if self.book.end(held) is None:
             return True  # released meanwhile: nothing to record
         if not riding.end(held, state, requeue, lease):
             self._defer(held, state, requeue)
@@ -350,8 +350,8 @@ class ClaimStep(bootsteps.StartStopStep):
             logger.warning("celery-crawl: recording the end of %s failed (%s); will retry",
                            held.task_id, error)
             self._defer(held, state, requeue)
-        elif held.handoff:
-            self._wake_parked(held.task_id)
+        else:
+            self._end_recorded(held)
 
     @property
     def _recheck_s(self) -> float:
@@ -738,7 +738,7 @@ class ClaimStep(bootsteps.StartStopStep):
         would delete the other worker's unacked entry); RabbitMQ knows whether the delivery is
         still ours, so it is settled normally. The store calls run off the consumer's loop.
         """
-        self.book.pop(held)
+        self.book.end(held)
         held.handoff = finishing.take(held.task_id)
         held.fenced = True
         if self._offloading():
@@ -757,6 +757,9 @@ class ClaimStep(bootsteps.StartStopStep):
             ours = current is not None and current.token == held.token
         except StoreError:
             ours = None
+        finally:
+            # Recorded below or never: the end names its claim, so it cannot touch another.
+            self.book.recorded(held)
         logger.warning("celery-crawl: %s[%s] ended after its lease was lost (claim %s)",
                        held.task_name, held.task_id,
                        {True: "still ours", False: "taken over", None: "unknown"}[ours])
@@ -785,7 +788,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 or lease.name != held.lease_name):
             return False
         held.handoff = finishing.take(held.task_id)
-        if self.book.pop(held) is None:  # released meanwhile: nothing to record
+        if self.book.end(held) is None:  # released meanwhile: nothing to record
             _settle_unless_fenced(held, settle)
             return True
 
@@ -805,7 +808,7 @@ class ClaimStep(bootsteps.StartStopStep):
         recorded: list[tuple[Held, str, bool]] = []
         for held, state, requeue, _ in ends:
             held.handoff = finishing.take(held.task_id)
-            if self.book.pop(held) is not None:
+            if self.book.end(held) is not None:
                 recorded.append((held, state, requeue))
         if recorded:
             if self.keeper is None or self.keeper.lease is None:
@@ -818,14 +821,14 @@ class ClaimStep(bootsteps.StartStopStep):
                         logger.warning("celery-crawl: recording the end of %s failed (%s); "
                                        "will retry", held.task_id, exc)
                         self._defer(held, state, requeue)
-                    elif held.handoff:
-                        self._wake_parked(held.task_id)
+                    else:
+                        self._end_recorded(held)
         return [functools.partial(_settle_unless_fenced, held, settle)
                 for held, _, _, settle in ends]
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
         held.handoff = finishing.take(held.task_id)
-        if self.book.pop(held) is None:
+        if self.book.end(held) is None:
             return
         assert self.claimer is not None
         if self.keeper is None or self.keeper.lease is None:
@@ -838,6 +841,12 @@ class ClaimStep(bootsteps.StartStopStep):
                            held.task_id, exc)
             self._defer(held, state, requeue)
             return
+        self._end_recorded(held)
+
+    def _end_recorded(self, held: Held) -> None:
+        """``held``'s end is in the store: its claim is gone (or handed on), so it stops being
+        *ending*; a parked copy waiting for a hand-off is decided at once."""
+        self.book.recorded(held)
         if held.handoff:
             self._wake_parked(held.task_id)
 
@@ -865,7 +874,13 @@ class ClaimStep(bootsteps.StartStopStep):
     def drain_backlog(self) -> None:
         """Keeper hook: record the ends that could not be recorded when they happened."""
         assert self.claimer is not None
-        self.backlog.drain(self.claimer.finish)
+        claimer = self.claimer
+
+        def record(held: Held, *, state: str, requeue: bool) -> None:
+            claimer.finish(held, state=state, requeue=requeue)
+            self._end_recorded(held)
+
+        self.backlog.drain(record)
 
     def _call_ack(self, held: Held) -> None:
         ack = _delivery(held).ack
