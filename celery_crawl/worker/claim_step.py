@@ -65,6 +65,7 @@ from .lines import Watch, line_for
 from .offload import Offloader
 from .riding import Riding
 from .store_line import StoreLine, store_line_for
+from .unforged import strip_claim_token
 
 __all__ = ["ClaimStep"]
 
@@ -317,8 +318,11 @@ class ClaimStep(bootsteps.StartStopStep):
                 or "id" not in headers or consumer is None
                 or headers.get("task") not in consumer.strategies):
             return None
-        return riding.claim(self._held(message, str(headers["task"])), lease, unacked_keys,
-                            unacked_args)
+        try:
+            held = self._held(message, str(headers["task"]))
+        except InvalidTaskError:
+            return None  # a plain append: the strategy refuses the message
+        return riding.claim(held, lease, unacked_keys, unacked_args)
 
     def _on_ack(self, tag: Any, unacked_keys: list[Any], unacked_args: list[Any]) -> Any:
         riding = self._riding
@@ -435,8 +439,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 # Task protocol 1: headers carry no id; run unprotected (logged once per task),
                 # and without a claim token: Celery builds its request from the body and the
                 # headers, so neither may bring one in.
-                if headers is not None:
-                    headers.pop(CLAIM_HEADER, None)
+                _strip(message)
                 if isinstance(body, dict):
                     body.pop(CLAIM_HEADER, None)
                 if task_name not in step._unprotected:
@@ -469,8 +472,8 @@ class ClaimStep(bootsteps.StartStopStep):
     def _held(self, message: Any, task_name: str) -> Held:
         """A hold for a task message (protocol 2) just received."""
         headers = message.headers
-        # Never trust a producer's value: the header is ours.
-        headers.pop(CLAIM_HEADER, None)
+        # Never trust a producer's value, wherever it put one: the token is the claim's.
+        _strip(message)
         info = message.delivery_info or {}
         retries = lenient_int(headers.get("retries"))
         return Held(
@@ -1170,6 +1173,17 @@ class ClaimStep(bootsteps.StartStopStep):
              "waiting_for": h.holder if h.parked else None}
             for h in self.book.snapshot()
         ]
+
+
+def _strip(message: Any) -> None:
+    """``strip_claim_token``; a body it cannot write back is left for Celery to refuse (its
+    embed then still carries the key: the message must not run)."""
+    try:
+        strip_claim_token(message)
+    except Exception as exc:
+        logger.error("celery-crawl: cannot remove a forged claim token from a message (%s); "
+                     "refusing it", exc)
+        raise InvalidTaskError(f"a {CLAIM_HEADER} in the body that cannot be removed") from exc
 
 
 def _settle_unless_fenced(held: Held, settle: Callable[[], Any]) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import uuid
@@ -12,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from celery_crawl import keys
+from celery_crawl.leases import open_store
 from tests.chromium import cells, render, screenshot
 from tests.procs import CELERY, Proc, celery_args
 from tests.servers import RedisServer, free_port, wait_until
@@ -56,6 +59,54 @@ def test_task_sees_its_claim_token_and_a_forged_header_does_not_survive(
     done = wait_until(lambda: runs(combo, key, "finished"), 30, what="task finished")[0]
     assert done["token"] is not None and done["token"] < 10**18
     assert done["header"] == done["token"]
+
+
+FORGED = 2**53 - 1
+
+
+def _publish_raw(combo: Combo, body: bytes, headers: dict[str, object]) -> None:
+    client = combo.app()
+    try:
+        with client.producer_or_acquire() as producer:
+            producer.publish(body, exchange="", routing_key=combo.queue, headers=headers,
+                             content_type="application/json", content_encoding="utf-8")
+    finally:
+        client.close()
+
+
+def test_a_claim_token_forged_into_the_body_does_not_reach_the_task(
+    running: tuple[Combo, Workers],
+) -> None:
+    """Celery merges the protocol-2 embed over the headers in the pool: a token there (also
+    spelt with a JSON escape, which no byte search would find) must not survive; nor one in a
+    protocol-1 body (which runs without a claim)."""
+    combo, _ws = running
+    store = open_store(combo.lease, namespace=combo.ns)
+    try:
+        for n, key_text in enumerate(('"crawl_claim_token"', '"\\u0063rawl_claim_token"')):
+            key, task_id = f"{combo.ns}-embed{n}", str(uuid.uuid4())
+            headers = {"lang": "py", "task": "crawltest.work", "id": task_id,
+                       "root_id": task_id, "retries": 0, "crawl_claim_token": FORGED}
+            embed = ('{"callbacks": null, "errbacks": null, "chain": null, "chord": null, '
+                     + key_text + ": " + str(FORGED) + "}")
+            body = f'[["{key}", 0.0], {{}}, {embed}]'.encode()
+            assert json.loads(body)[2]["crawl_claim_token"] == FORGED
+            _publish_raw(combo, body, headers)
+            done = wait_until(lambda k=key: runs(combo, k, "finished"), 30,
+                              what="the task finished")[0]
+            tombstone = wait_until(lambda t=task_id: store.get(keys.done(t)), 10,
+                                   what="its end recorded")
+            assert done["token"] != FORGED and done["header"] != FORGED, done
+            assert done["token"] == done["header"] == tombstone["token"], (done, tombstone)
+        key = f"{combo.ns}-proto1"
+        body = json.dumps({"task": "crawltest.work", "id": str(uuid.uuid4()),
+                           "args": [key, 0.0], "kwargs": {},
+                           "crawl_claim_token": FORGED}).encode()
+        _publish_raw(combo, body, {})
+        done = wait_until(lambda: runs(combo, key, "finished"), 30, what="the task finished")[0]
+        assert done["token"] is None and done["header"] is None, done
+    finally:
+        store.close()
 
 
 def test_duplicate_delivery_is_parked_then_dropped(running: tuple[Combo, Workers]) -> None:
