@@ -63,6 +63,7 @@ from .keeper import Keeper
 from .lease_step import LeaseStep
 from .lines import Watch, line_for
 from .offload import Offloader
+from .ride_gate import installed_versions, ride_refusal
 from .riding import Riding
 from .store_line import StoreLine, store_line_for
 from .unforged import strip_claim_token
@@ -124,6 +125,7 @@ class ClaimStep(bootsteps.StartStopStep):
         #: Claims and ends the loop sends to the lease store without waiting (``store_line``);
         #: None when they ride or the store cannot have one.
         self._line: StoreLine | None = None
+        self._ride_refusal_logged = False
 
     # -- what the worker step holds ----------------------------------------------------------
     @property
@@ -223,6 +225,15 @@ class ClaimStep(bootsteps.StartStopStep):
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
         where = compat.redis_channel_server(channel)
         if channel is None or where is None or not store.shares_server(where):
+            return
+        timeout = channel.pool.connection_kwargs.get("socket_timeout")
+        refusal = ride_refusal(*installed_versions(), socket_timeout_s=timeout,
+                               store_timeout_s=self.config.store_timeout_s)
+        if refusal is not None:
+            if not self._ride_refusal_logged:
+                self._ride_refusal_logged = True
+                logger.warning("celery-crawl: claims and ends do not ride in the broker's "
+                               "round trips: %s", refusal)
             return
         self._riding = Riding(store, claimer, channel, self._ride_ended,
                               ack_line=line_for(channel.pool, self.config.store_timeout_s,

@@ -73,6 +73,8 @@ def rig(redis_server: RedisServer) -> Iterator[Rig]:
     app = Celery("ridetest", broker=url, set_as_current=False)
     app.conf.update(crawl_lease_url=url, crawl_namespace=f"ride{uuid.uuid4().hex[:8]}",
                     crawl_worker_lease_ttl=TTL_S, crawl_store_timeout=1.0,
+                    # As install_worker sets it: riding needs kombu's writes bounded too.
+                    broker_transport_options={"socket_timeout": 1.0},
                     task_serializer="json", accept_content=["json"])
     hub = QueuedHub()
     worker = SimpleNamespace(app=app, pool_cls="prefork", hostname="ride@localhost", hub=hub,
