@@ -53,12 +53,12 @@ from .claims import (
     Decision,
     Held,
     Outcome,
-    json_tag,
     lenient_int,
     message_digest,
 )
 from .context import CLAIM_HEADER
 from .delivery import Delivery
+from .desk import Desk
 from .keeper import Keeper
 from .lease_step import LeaseStep
 from .lines import Watch, line_for
@@ -97,6 +97,8 @@ class ClaimStep(bootsteps.StartStopStep):
         metrics.WORKER_CLAIMS.set_function(self.book.__len__)
         self.backlog = Backlog()
         self.claimer: Claimer | None = None
+        #: The one lifecycle of every delivery (``desk.py``): made once the lease is held.
+        self.desk: Desk | None = None
         self.consumer: Any = None
         self.consuming = True
         self.fenced_count = 0
@@ -107,8 +109,6 @@ class ClaimStep(bootsteps.StartStopStep):
         #: The keeper generation last brought about on the loop (``_reconcile``).
         self._applied_generation = 0
         self._reconcile_lock = threading.RLock()
-        #: The lease the last claim decision on this thread was made under.
-        self._decided = threading.local()
         #: Store calls of deliveries and completions, off the event loop (``offload.py``).
         self._offload = Offloader(self._to_loop, {"decide": self._decide_batch,
                                                   "finish": self._complete_batch})
@@ -168,6 +168,8 @@ class ClaimStep(bootsteps.StartStopStep):
                                max_deliveries=config.max_deliveries,
                                done_ttl_s=config.done_ttl_s, worker=self.hostname,
                                recheck_s=self._recheck_s)
+        self.desk = Desk(store, self.claimer, self._claim_lease, book=self.book,
+                         backlog=self.backlog, on_recorded=self._on_recorded)
         self._applied_generation = keeper.state().generation
 
     def release_deliveries(self, *, lease_held: bool) -> None:
@@ -293,23 +295,8 @@ class ClaimStep(bootsteps.StartStopStep):
         self._drop_if_unheld(held, lease)
 
     def _drop_if_unheld(self, held: Held, lease: Lease) -> bool:
-        """A claim call whose reply never came may have made its claim: drop it if so (no run
-        here holds it). True when one was dropped."""
-        if self.store is None:
-            return False
-        key = keys.task_claim(held.task_id)
-        with contextlib.suppress(StoreError, LeaseLost):
-            current = self.store.claimant(key)
-            if (current is None or current.lease_name != lease.name
-                    or current.holder != lease.holder
-                    or current.value.get("delivery_tag") != json_tag(held.delivery_tag)
-                    or self.book.has_token(current.token)):
-                return False
-            # Bound to our live lease, so only an unclaim deletes it (``drop_claim`` takes
-            # orphans of dead leases only). No other claim of the key can be made meanwhile:
-            # this one, alive, stands in its way.
-            return bool(self.store.unclaim(lease, key, token=current.token))
-        return False
+        """``Desk.drop_if_unheld`` (False before the lease was first held)."""
+        return self.desk.drop_if_unheld(held, lease) if self.desk is not None else False
 
     def _on_append(self, message: Any, unacked_keys: list[Any], unacked_args: list[Any]
                    ) -> Any:
@@ -352,21 +339,19 @@ class ClaimStep(bootsteps.StartStopStep):
                 or not riding.carries(held.message) or compat.channel_gone(held.message)):
             return False
         held.handoff = finishing.take(held.task_id)
-        if self.book.end(held) is None:
+        if not self._the_desk.ending(held):
             return True  # released meanwhile: nothing to record
         if not riding.end(held, state, requeue, lease):
-            self._defer(held, state, requeue)
+            self._the_desk.failed(held, state, requeue)
         return True
 
     def _ride_ended(self, held: Held, state: str, requeue: bool,
                     error: Exception | None) -> None:
         """The round trip that carried an end answered."""
         if error is not None:
-            logger.warning("celery-crawl: recording the end of %s failed (%s); will retry",
-                           held.task_id, error)
-            self._defer(held, state, requeue)
+            self._the_desk.failed(held, state, requeue, error)
         else:
-            self._end_recorded(held)
+            self._the_desk.recorded(held)
 
     @property
     def _recheck_s(self) -> float:
@@ -497,11 +482,14 @@ class ClaimStep(bootsteps.StartStopStep):
         )
 
     def _claim_lease(self) -> Lease | None:
-        """The lease for ``Claimer`` (read once per decision), remembered per thread so the
-        hold records the lease its claim is bound to."""
-        lease = self.keeper.lease if self.keeper else None
-        self._decided.lease = lease
-        return lease
+        """The worker's current lease (``Desk`` returns the one each decision was made
+        under with the decision)."""
+        return self.keeper.lease if self.keeper else None
+
+    @property
+    def _the_desk(self) -> Desk:
+        assert self.desk is not None, "no lease was ever held: nothing to decide or record"
+        return self.desk
 
     def _offloading(self) -> bool:
         """Whether store calls of this thread go to the offload thread: only on the running
@@ -609,34 +597,10 @@ class ClaimStep(bootsteps.StartStopStep):
                 logger.warning("celery-crawl: restoring a delivery of the old connection "
                                "failed (%s); kombu's visibility timeout will", exc)
 
-    def _decision_for(self, held: Held, *, presume_fresh: bool = True,
-                      own_claim_dropped: bool = False) -> tuple[Decision, Lease | None]:
+    def _decision_for(self, held: Held, *, presume_fresh: bool = True
+                      ) -> tuple[Decision, Lease | None]:
         """The store part of a decision, and the lease its claim was made under."""
-        assert self.claimer is not None
-        self._decided.lease = None
-        try:
-            decision = self.claimer.decide(
-                held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
-                exchange=held.exchange, routing_key=held.routing_key,
-                retries=held.retries, generation=held.generation, digest=held.digest_now(),
-                known_deliveries=held.deliveries, parked=held.parked,
-                holder=held.holder, alive_at=held.alive_at, presume_fresh=presume_fresh)
-        except StoreError as exc:
-            # Fail closed: neither run nor drop; look again on the next re-check.
-            logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, exc)
-            decision = Decision(Outcome.PARK, deliveries=held.deliveries, holder=held.holder,
-                                alive_at=held.alive_at)
-        lease = self.keeper.lease if self.keeper else None
-        if (decision.outcome is Outcome.PARK and lease is not None and not own_claim_dropped
-                and decision.holder == lease.holder and self._drop_if_unheld(held, lease)):
-            # Parked behind a claim of this very delivery under our own lease that no run here
-            # holds: a claim call of ours that was made but whose reply was lost (a timeout, a
-            # line that failed), and whose drop failed too. Our lease keeps it alive, so
-            # waiting for it would wait forever: dropped, and the delivery decided again.
-            logger.info("celery-crawl: %s was parked behind a claim of its own whose reply "
-                        "was lost; claiming it again", held.task_id)
-            return self._decision_for(held, presume_fresh=False, own_claim_dropped=True)
-        return decision, getattr(self._decided, "lease", None)
+        return self._the_desk.decide(held, presume_fresh=presume_fresh)
 
     def _decide(self, held: Held) -> None:
         first = not held.parked
@@ -650,19 +614,9 @@ class ClaimStep(bootsteps.StartStopStep):
             self.book.pop(held)
             self._release(held, "no worker lease held")
         elif outcome is Outcome.DUPLICATE:
-            self.book.pop(held)
-            self.duplicates += 1
-            metrics.WORKER_DUPLICATES_PARKED.labels("dropped").inc()
-            logger.warning("celery-crawl: %s[%s] already finished (done tombstone) and handed "
-                           "its id on to no newer message; dropping this delivery as a "
-                           "duplicate", held.task_name, held.task_id)
-            self._call_ack(held)
+            self._drop_duplicate(held)
         elif outcome is Outcome.PARK:
-            held.parked = True
-            held.holder = decision.holder
-            held.alive_at = decision.alive_at
-            held.deliveries = decision.deliveries
-            self.book.add(held)
+            self._the_desk.parked(held, decision)
             if first:
                 metrics.WORKER_DUPLICATES_PARKED.labels("parked").inc()
                 own = self.keeper is not None and decision.holder == self.keeper.holder
@@ -676,12 +630,7 @@ class ClaimStep(bootsteps.StartStopStep):
         else:
             # ``claimed_under``: the lease the claim was made under (the keeper may hold a newer
             # one by now).
-            held.parked = False
-            held.token = decision.token
-            held.deliveries = decision.deliveries
-            held.lease_name = claimed_under.name if claimed_under else None
-            held.holder = claimed_under.holder if claimed_under else None
-            self.book.add(held)
+            self._the_desk.claimed(held, decision, claimed_under)
             if not first:
                 metrics.WORKER_DUPLICATES_PARKED.labels("run").inc()
             if outcome is Outcome.POISON:
@@ -692,6 +641,17 @@ class ClaimStep(bootsteps.StartStopStep):
                     # The task of a dead worker, now handed to the pool here: from its death.
                     metrics.WORKER_PREEMPTION_LATENCY.observe(
                         max(0.0, time.time() - decision.died_at))
+
+    def _drop_duplicate(self, held: Held) -> None:
+        """The one place a delivery is dropped as a duplicate of a finished run (its done
+        tombstone hands the id on to no newer message): acked, never run."""
+        self.book.pop(held)
+        self.duplicates += 1
+        metrics.WORKER_DUPLICATES_PARKED.labels("dropped").inc()
+        logger.warning("celery-crawl: %s[%s] already finished (done tombstone) and handed "
+                       "its id on to no newer message; dropping this delivery as a "
+                       "duplicate", held.task_name, held.task_id)
+        self._call_ack(held)
 
     def _run(self, held: Held) -> None:
         run = _delivery(held)
@@ -802,7 +762,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 or lease.name != held.lease_name):
             return False
         held.handoff = finishing.take(held.task_id)
-        if self.book.end(held) is None:  # released meanwhile: nothing to record
+        if not self._the_desk.ending(held):  # released meanwhile: nothing to record
             _settle_unless_fenced(held, settle)
             return True
 
@@ -817,50 +777,20 @@ class ClaimStep(bootsteps.StartStopStep):
     def _complete_batch(self, ends: list[tuple[Held, str, bool, Callable[[], Any]]]
                         ) -> list[Callable[[], None]]:
         """Offload thread: record the ends of runs that ended together (one store round trip,
-        ``Claimer.finish_many``), then settle their messages on the loop."""
-        assert self.claimer is not None
-        recorded: list[tuple[Held, str, bool]] = []
-        for held, state, requeue, _ in ends:
+        ``Desk.record_many``), then settle their messages on the loop."""
+        for held, _, _, _ in ends:
             held.handoff = finishing.take(held.task_id)
-            if self.book.end(held) is not None:
-                recorded.append((held, state, requeue))
-        if recorded:
-            if self.keeper is None or self.keeper.lease is None:
-                for held, state, requeue in recorded:
-                    self._defer(held, state, requeue)
-            else:
-                errors = self.claimer.finish_many(recorded)
-                for (held, state, requeue), exc in zip(recorded, errors, strict=True):
-                    if exc is not None:
-                        logger.warning("celery-crawl: recording the end of %s failed (%s); "
-                                       "will retry", held.task_id, exc)
-                        self._defer(held, state, requeue)
-                    else:
-                        self._end_recorded(held)
+        self._the_desk.record_many([(held, state, requeue) for held, state, requeue, _ in ends])
         return [functools.partial(_settle_unless_fenced, held, settle)
                 for held, _, _, settle in ends]
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
+        """The end sequence, waiting for the store (``Desk.record``)."""
         held.handoff = finishing.take(held.task_id)
-        if self.book.end(held) is None:
-            return
-        assert self.claimer is not None
-        if self.keeper is None or self.keeper.lease is None:
-            self._defer(held, state, requeue)
-            return
-        try:
-            self.claimer.finish(held, state=state, requeue=requeue)
-        except (StoreError, LeaseLost) as exc:
-            logger.warning("celery-crawl: recording the end of %s failed (%s); will retry",
-                           held.task_id, exc)
-            self._defer(held, state, requeue)
-            return
-        self._end_recorded(held)
+        self._the_desk.record(held, state, requeue)
 
-    def _end_recorded(self, held: Held) -> None:
-        """``held``'s end is in the store: its claim is gone (or handed on), so it stops being
-        *ending*; a parked copy waiting for a hand-off is decided at once."""
-        self.book.recorded(held)
+    def _on_recorded(self, held: Held) -> None:
+        """An end is recorded: a parked copy waiting for its hand-off is decided at once."""
         if held.handoff:
             self._wake_parked(held.task_id)
 
@@ -883,18 +813,11 @@ class ClaimStep(bootsteps.StartStopStep):
         return any(h is held for h in self.book.snapshot())
 
     def _defer(self, held: Held, state: str, requeue: bool) -> None:
-        self.backlog.add(held, state, requeue)
+        self._the_desk.failed(held, state, requeue)
 
     def drain_backlog(self) -> None:
         """Keeper hook: record the ends that could not be recorded when they happened."""
-        assert self.claimer is not None
-        claimer = self.claimer
-
-        def record(held: Held, *, state: str, requeue: bool) -> None:
-            claimer.finish(held, state=state, requeue=requeue)
-            self._end_recorded(held)
-
-        self.backlog.drain(record)
+        self._the_desk.drain_backlog()
 
     def _call_ack(self, held: Held) -> None:
         ack = _delivery(held).ack
