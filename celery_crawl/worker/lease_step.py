@@ -3,16 +3,16 @@
 ``LeaseStep`` lives as long as the worker: it checks the setup, opens the lease store (main
 process only - prefork children never see it), takes the worker lease and starts the renewal
 thread with the reaper. What happens to deliveries is the consumer step's
-(``claim_step.ClaimStep``); the two meet through ``claim_step``, which the consumer step sets when
-Celery builds the consumer (before any step starts), and through the lease machinery this step
-hands it in ``start``.
+(``claim_step.ClaimStep``); the two meet through ``claim_step`` (a ``ClaimSide`` handle), which
+the consumer step sets when Celery builds the consumer (before any step starts), and through the
+lease machinery this step hands it in ``start``. This module does not import the claim step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery import bootsteps, signals
 
@@ -29,8 +29,19 @@ from .keeper import Keeper
 from .reaper import Reaper, orphan_grace
 from .stats import flat_stats
 
-if TYPE_CHECKING:
-    from .claim_step import ClaimStep
+
+class ClaimSide(Protocol):
+    """What the worker step needs of the consumer's claim step (``claim_step.ClaimStep``),
+    which registers itself here: the two share state through this handle, not through each
+    other's modules (no import circle)."""
+
+    def changed_from_thread(self) -> None: ...
+    def refresh_unacked(self) -> None: ...
+    def drain_backlog(self) -> None: ...
+    def bind_lease(self, store: LeaseStore, keeper: Keeper) -> None: ...
+    def release_deliveries(self, *, lease_held: bool) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+    def claims(self) -> list[dict[str, Any]]: ...
 
 __all__ = ["LeaseStep"]
 
@@ -62,7 +73,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self.keeper: Keeper | None = None
         self.reaper: Reaper | None = None
         #: The consumer step of this worker (it registers itself when the consumer is built).
-        self.claim_step: ClaimStep | None = None
+        self.claim_step: ClaimSide | None = None
         self._closed = False
         # Before the pool forks (our start runs after it), so every child inherits the path; a
         # threads pool runs its tasks here, and keeps its marks in memory.
