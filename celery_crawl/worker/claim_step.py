@@ -65,6 +65,7 @@ from .lines import Watch, line_for
 from .offload import Offloader
 from .ride_gate import installed_versions, ride_refusal
 from .riding import Riding
+from .routes import ClaimLine, OffThread, Ridden, Route
 from .store_line import StoreLine, store_line_for
 from .unforged import strip_claim_token
 
@@ -126,6 +127,8 @@ class ClaimStep(bootsteps.StartStopStep):
         #: None when they ride or the store cannot have one.
         self._line: StoreLine | None = None
         self._ride_refusal_logged = False
+        #: How claims and ends travel (``routes.py``), chosen again at every consumer start.
+        self._route: Route = self._choose_route()
 
     # -- what the worker step holds ----------------------------------------------------------
     @property
@@ -204,6 +207,7 @@ class ClaimStep(bootsteps.StartStopStep):
             if self._line is not None:
                 logger.info("celery-crawl: claims and ends go out from the consumer's loop on "
                             "a claim line to %s, without waiting", self._line.store.url)
+        self._route = self._choose_route()
         # The consumer's loop runs on this thread.
         self._loop_ident = threading.get_ident()
         self._loop_running = True
@@ -217,6 +221,23 @@ class ClaimStep(bootsteps.StartStopStep):
         ):
             self._stop_consuming(c, "no worker lease held")
         self._reconcile()
+
+    def _choose_route(self) -> Route:
+        """The route of this consumer's claims and ends (what ``start`` set up allows)."""
+        common: dict[str, Any] = {
+            "on_loop": self._offloading, "decide_later": self._decide_later,
+            "decide_now": self._decide, "end_later": self._complete_later,
+            "end_now": lambda held, state, requeue: self._complete(held, state,
+                                                                   requeue=requeue)}
+        if self._riding is not None:
+            return Ridden(take_claim=self._take_ridden, ride_end=self._ride_end, **common)
+        if self._line is not None:
+            return ClaimLine(send_claim=self._send_claim, send_end=self._send_end, **common)
+        return OffThread(**common)
+
+    def _take_ridden(self, message: Any) -> Any:
+        riding = self._riding
+        return riding.take(message, message.delivery_tag) if riding is not None else None
 
     def _ride(self, c: Any) -> None:
         """Have the claims and ends of this consumer's deliveries ride in its channel's own
@@ -445,9 +466,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 return original(message, body, ack, reject, callbacks, **kwargs)
             delivery = Delivery(original, body, ack, reject, callbacks, kwargs,
                                 consumer=step.consumer)
-            riding = step._riding
-            claimed = (riding.take(message, message.delivery_tag) if riding is not None
-                       else None)
+            claimed = step._route.take(message)
             if claimed is not None and claimed.decision is not None:
                 # Claimed in the round trip that recorded the message as unacked.
                 claimed.held.delivery = delivery
@@ -455,11 +474,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 return None
             held = claimed.held if claimed is not None else step._held(message, task_name)
             held.delivery = delivery
-            if step._offloading():
-                if not step._send_claim(held):
-                    step._decide_later(held)
-            else:
-                step._decide(held)
+            step._route.arrive(held)
             return None
 
         crawl_claimed_strategy.__wrapped__ = original  # type: ignore[attr-defined]
@@ -663,14 +678,7 @@ class ClaimStep(bootsteps.StartStopStep):
             settle = _settler(held, run.ack, args, kw)
             if not self._lease_valid_for(held):
                 return self._complete_stale(held, "done", False, settle)
-            if self._ride_end(held, "done", False):
-                return settle()
-            if self._offloading():
-                if not self._send_end(held, "done", False, settle):
-                    self._complete_later(held, "done", False, settle)
-                return None
-            self._complete(held, "done", requeue=False)
-            return settle()
+            return self._route.end(held, "done", False, settle)
 
         def on_reject(*args: Any, **kw: Any) -> Any:
             if held.fenced:
@@ -679,11 +687,7 @@ class ClaimStep(bootsteps.StartStopStep):
             settle = _settler(held, run.reject, args, kw)
             if not self._lease_valid_for(held):
                 return self._complete_stale(held, "rejected", requeue, settle)
-            if self._offloading():
-                self._complete_later(held, "rejected", requeue, settle)
-                return None
-            self._complete(held, "rejected", requeue=requeue)
-            return settle()
+            return self._route.end(held, "rejected", requeue, settle)
 
         try:
             run.strategy(held.message, run.body, on_ack, on_reject, run.callbacks, **run.kwargs)
@@ -1097,7 +1101,7 @@ class ClaimStep(bootsteps.StartStopStep):
             "fenced": self.fenced_count, "duplicates_dropped": self.duplicates,
             "poisoned": self.poisoned, "backlog": len(self.backlog),
             "rides_broker": self._riding is not None,
-            "claim_line": self._line is not None,
+            "claim_line": self._line is not None, "route": self._route.name,
         }
 
     def claims(self) -> list[dict[str, Any]]:

@@ -93,6 +93,7 @@ def test_a_ridden_claim_cut_off_from_redis_gives_the_loop_back_in_time(
     step = cut_rig.step
     riding = step._riding
     assert riding is not None, "the claims do not ride (the shipped layout should)"
+    assert step.status()["route"] == "riding"
     cut_at: list[float] = []
     plain_claim = riding.claim
 
