@@ -7,7 +7,9 @@ under claim C (tag t); kombu restores the same message with the same tag and the
 behind C; the claim line's connection is killed (``CLIENT KILL``) so X's end gets no reply and
 goes to the backlog; the keeper's backlog hook is held back, so the parked copy's re-check runs
 before the backlog drains. The copy must stay parked (C's end is still *ending*), then be
-dropped as a duplicate once the end is recorded: X starts once.
+dropped as a duplicate once the end is recorded: X starts once. The same on the riding route
+(the riding rig of ``test_worker_riding.py``): X's end rides its ack, which never comes (a
+closed channel), and is swept into the backlog.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 from celery_crawl import _celery_compat as compat
 from celery_crawl import keys
 from tests.integration import test_worker_claim_line as line_rig
+from tests.integration import test_worker_riding as ride_rigs
 from tests.integration.test_worker_claim_line import Rig, _connect_the_line
+from tests.integration.test_worker_riding import Rig as RideRig
 from tests.servers import wait_until
 
 #: The claim-line rig fixture, shared with ``test_worker_claim_line.py``.
@@ -91,3 +95,50 @@ def test_a_copy_parked_behind_an_ending_run_does_not_take_its_claim(rig: Rig) ->
                what="the copy dropped as a duplicate")
     assert rig.starts[task_id] == 1
     assert not [h for h in rig.step.book.snapshot() if h.task_id == task_id]
+
+
+#: The riding rig of ``test_worker_riding.py`` (the store is the broker's Redis database).
+ride_rig = ride_rigs.rig
+
+
+def test_a_copy_parked_behind_a_ridden_end_does_not_take_its_claim(ride_rig: RideRig) -> None:
+    """The same interleaving on the riding route: X's end rides its ack, which never comes
+    (its channel closed); the end is swept into the backlog; the copy's re-check runs first."""
+    rig, step = ride_rig, ride_rig.step
+    store, keeper, riding = step.store, step.keeper, step._riding
+    assert store is not None and keeper is not None and riding is not None
+    task_id = f"x-{uuid.uuid4().hex[:8]}"
+    rig.publish(task_id)
+    rig.receive(1)
+    first, first_ack = rig.messages[task_id], rig.started[task_id]
+    claim = store.claimant(keys.task_claim(task_id))
+    assert claim is not None and claim.alive
+    hooks = list(keeper.hooks)
+    keeper.hooks = [h for h in hooks if h != step.drain_backlog]
+    try:
+        first.channel.qos.restore_by_tag(first.delivery_tag, leftmost=True)
+
+        def copy() -> Any:
+            rig._drain()
+            rig.hub.run()
+            return [h for h in step.book.snapshot()
+                    if h.task_id == task_id and h.parked and h.message is not first]
+
+        wait_until(copy, 15.0, what="the copy parked behind claim C")
+        rig.lose_acks = True  # X's ack, carrying its end, never reaches kombu
+        first_ack()
+        step._sweep_rides(riding, overdue_s=0.0)
+        assert len(step.backlog) == 1
+        for _ in range(2):
+            step._recheck_parked()
+            wait_until(lambda: (rig.hub.run() and False) or not step._rechecking, 10.0,
+                       what="the re-check applied")
+        assert rig.started[task_id] is first_ack, "X started a second time"
+        current = store.claimant(keys.task_claim(task_id))
+        assert current is not None and current.token == claim.token
+    finally:
+        keeper.hooks = hooks
+    step.drain_backlog()
+    done = store.get(keys.done(task_id))
+    assert done is not None and done["token"] == claim.token
+    assert store.claimant(keys.task_claim(task_id)) is None
