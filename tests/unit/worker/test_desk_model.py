@@ -5,11 +5,13 @@ The desks (``worker/desk.py``) are the real ones, with the real ``Claimer`` on t
 (a hand-moved clock); the broker is simulated: it redelivers a message with the same delivery
 tag (kombu's restore at a channel close, RabbitMQ's tags restarting after a reconnection) or a
 new one, loses the reply of a claim or of an end (before or after the store executed it), and
-requeues a run that ends by a reject. Workers lose and re-take their lease and die; the reaper
-restores the deliveries of dead leases. After every step:
+requeues a run that ends by a reject; a run may ``retry`` (publish the next generation under its
+own id, handing it on). Workers lose and re-take their lease and die (and start again); the
+reaper restores the deliveries of dead leases. After every step:
 
 * no two runs of one task id at once, across workers;
-* no run of a task id after a run of it finished (nothing here hands an id on);
+* no run of a task id after a run of it finished without handing the id on, and no message
+  run again after its run ended (unless that end was lost with its lease: at least once);
 * every running run's claim stands in the store (unless its worker lost its lease).
 
 Run against the logic the worker had before (``OldBook``: a hold forgotten when its run ends,
@@ -78,6 +80,8 @@ class Delivery:
     tag: int
     digest: str
     worker: str | None = None
+    #: ``(replaced_task_nesting, retries)``: a retry publishes the next generation.
+    gen: tuple[int, int] = (0, 0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,6 +109,9 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
             self.task_ids = itertools.count(1)
             self.active: dict[str, list[str]] = {}
             self.finished: set[str] = set()
+            #: ``(task id, digest)`` of every message whose run ended (handed on or not).
+            self.done_messages: set[tuple[str, str]] = set()
+            self.retries = itertools.count(1)
             #: Task ids whose end was still in the backlog when its lease died (lost, or the
             #: worker died): no promise is left for them (at least once).
             self.lost_ends: set[str] = set()
@@ -143,7 +150,8 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
 
         def _held(self, delivery: Delivery) -> Held:
             return Held(task_id=delivery.task_id, delivery_tag=delivery.tag, queue="q",
-                        deliveries=0, digest=delivery.digest, message=delivery)
+                        deliveries=0, digest=delivery.digest, message=delivery,
+                        generation=delivery.gen, retries=delivery.gen[1])
 
         def _apply(self, worker: Worker, held: Held, decision: Decision,
                    under: Lease | None) -> None:
@@ -165,7 +173,8 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
             if self.active.get(task_id):
                 self.violations.append(f"{task_id} runs on {self.active[task_id]} and "
                                        f"{worker.name} at once")
-            if task_id in self.finished and task_id not in self.lost_ends:
+            if task_id not in self.lost_ends and (
+                    task_id in self.finished or (task_id, held.digest) in self.done_messages):
                 self.violations.append(f"{task_id} ran again after it finished")
             self.active.setdefault(task_id, []).append(worker.name)
             worker.running.append(held)
@@ -179,14 +188,14 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
                 self.unacked.remove(delivery)
                 if requeue:
                     self.queue.append(Delivery(delivery.task_id, delivery.tag,
-                                               delivery.digest))
+                                               delivery.digest, gen=delivery.gen))
 
         def _take(self, worker: Worker) -> Held | None:
             """The next delivery for ``worker`` (a new task published when none waits)."""
             if worker.lease is None:
                 return None
             if not self.queue:
-                if len(self.finished | set(self.active)) >= 4:
+                if len({t for t, _ in self.done_messages} | set(self.active)) >= 4:
                     return None
                 task_id = f"t{next(self.task_ids)}"
                 self.queue.append(Delivery(task_id, next(self.tags), f"d-{task_id}"))
@@ -230,7 +239,7 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
                 return
             d = mine[pick % len(mine)]
             self.queue.appendleft(Delivery(d.task_id, d.tag if same_tag else next(self.tags),
-                                           d.digest))
+                                           d.digest, gen=d.gen))
             self.deliver(to)
 
         @precondition(lambda self: any(w.running for w in self.workers))
@@ -246,9 +255,32 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
             if worker is None or not worker.running:
                 return
             held = worker.running[pick % len(worker.running)]
+            self._end(worker, held, requeue, reply)
+            if then_recheck:
+                self.recheck_parked(i)
+
+        @precondition(lambda self: any(w.running for w in self.workers))
+        @rule(i=WORKER, pick=st.integers(0, 7),
+              reply=st.sampled_from(["ok", "lost-before", "lost-after"]))
+        def retry(self, i: int, pick: int, reply: str) -> None:
+            """``self.retry()``: the run publishes the next generation of its message under
+            its own id (handing the id on), then ends."""
+            worker = self._live(i)
+            if worker is None or not worker.running:
+                return
+            held = worker.running[pick % len(worker.running)]
+            gen = (held.generation[0], held.generation[1] + 1)
+            self.queue.append(Delivery(held.task_id, next(self.tags),
+                                       f"d-{held.task_id}-r{next(self.retries)}", gen=gen))
+            held.handoff = True
+            self._end(worker, held, False, reply)
+
+        def _end(self, worker: Worker, held: Held, requeue: bool, reply: str) -> None:
             self._stop(worker, held)
             if not requeue:
-                self.finished.add(held.task_id)
+                self.done_messages.add((held.task_id, held.digest))
+                if not held.handoff:
+                    self.finished.add(held.task_id)
             desk = worker.desk
             state = "rejected" if requeue else "done"
             if desk.ending(held):
@@ -265,8 +297,6 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
                         else:
                             desk.failed(held, state, requeue)
             self._settle(held.message, requeue=requeue)
-            if then_recheck:
-                self.recheck_parked(i)
 
         @precondition(lambda self: any(h.parked for w in self.workers
                                        for h in w.desk.book.snapshot()))
