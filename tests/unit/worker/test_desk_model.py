@@ -12,7 +12,9 @@ reaper restores the deliveries of dead leases. After every step:
 * no two runs of one task id at once, across workers;
 * no run of a task id after a run of it finished without handing the id on, and no message
   run again after its run ended (unless that end was lost with its lease: at least once);
-* every running run's claim stands in the store (unless its worker lost its lease).
+* every running run's claim stands in the store (unless its worker lost its lease);
+* no live claim is left without a run (running or ending) or a recovery (a parked copy that
+  gives back a claim whose reply was lost; the reaper for a dead lease).
 
 Run against the logic the worker had before (``OldBook``: a hold forgotten when its run ends,
 not when its end is recorded; ``OldClaimer``: ends and give-backs that do not name their claim),
@@ -389,6 +391,26 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
                     assert current is not None and current.token == held.token, (
                         f"{held.task_id} runs on {worker.name} without its claim "
                         f"{held.token} (the store has {current and current.token})")
+
+        @invariant()
+        def no_claim_without_a_run_or_a_recovery(self) -> None:
+            """A live claim is carried by a hold of its worker (running, or ending until its
+            end is recorded), or waits for a parked copy there to give it back (a claim whose
+            reply was lost); a claim of a dead lease waits for the reaper."""
+            store = self.workers[0].store
+            task_ids = {t for t, _ in self.done_messages} | set(self.active) | {
+                d.task_id for d in [*self.queue, *self.unacked]}
+            for task_id in task_ids:
+                claim = store.claimant(keys.task_claim(task_id))
+                if claim is None or not claim.alive:
+                    continue
+                owner = [w for w in self.workers
+                         if w.lease is not None and w.lease.name == claim.lease_name]
+                assert owner, f"{task_id}: a live claim of no worker's lease"
+                book = owner[0].desk.book
+                assert book.has_token(claim.token) or any(
+                    h.parked and h.task_id == task_id for h in book.snapshot()), (
+                    f"{task_id}: claim {claim.token} of {owner[0].name} is carried by no run")
 
     return DeskModel
 
