@@ -44,7 +44,6 @@ from .. import keys, metrics
 from ..config import CrawlConfig
 from ..errors import CrawlError, LeaseLost, PoisonMessage, StoreError, StoreUnavailable
 from ..leases.base import Lease, LeaseStore
-from ..leases.redis import RedisLeaseStore
 from .backlog import Backlog
 from .broker import BrokerOps
 from .claims import (
@@ -61,10 +60,9 @@ from .delivery import Delivery
 from .desk import Desk
 from .keeper import Keeper
 from .lease_step import LeaseStep
-from .lines import Watch, line_for
+from .lines import Watch
 from .offload import Offloader
-from .ride_gate import installed_versions, ride_refusal
-from .riding import Riding
+from .riding import Riding, riding_for
 from .routes import ClaimLine, OffThread, Ridden, Route
 from .store_line import StoreLine, store_line_for
 from .unforged import strip_claim_token
@@ -242,26 +240,17 @@ class ClaimStep(bootsteps.StartStopStep):
     def _ride(self, c: Any) -> None:
         """Have the claims and ends of this consumer's deliveries ride in its channel's own
         round trips, when the lease store is the broker's Redis server and database."""
-        store, claimer = self.store, self.claimer
-        if not isinstance(store, RedisLeaseStore) or claimer is None:
-            return
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
-        where = compat.redis_channel_server(channel)
-        if channel is None or where is None or not store.shares_server(where):
+        riding, refusal = riding_for(self.store, self.claimer, channel, self._ride_ended,
+                                     timeout_s=self.config.store_timeout_s,
+                                     watch=self._watch(), on_loop=self._offloading)
+        if refusal is not None and not self._ride_refusal_logged:
+            self._ride_refusal_logged = True
+            logger.warning("celery-crawl: claims and ends do not ride in the broker's round "
+                           "trips: %s", refusal)
+        if riding is None:
             return
-        timeout = channel.pool.connection_kwargs.get("socket_timeout")
-        refusal = ride_refusal(*installed_versions(), socket_timeout_s=timeout,
-                               store_timeout_s=self.config.store_timeout_s)
-        if refusal is not None:
-            if not self._ride_refusal_logged:
-                self._ride_refusal_logged = True
-                logger.warning("celery-crawl: claims and ends do not ride in the broker's "
-                               "round trips: %s", refusal)
-            return
-        self._riding = Riding(store, claimer, channel, self._ride_ended,
-                              ack_line=line_for(channel.pool, self.config.store_timeout_s,
-                                                name="ack line", watch=self._watch()),
-                              on_loop=self._offloading)
+        self._riding = riding
         compat.ride_redis_acks(channel, self._on_append, self._on_ack)
         logger.info("celery-crawl: the lease store is the broker's Redis database: claims and "
                     "ends ride in the broker's own round trips")
