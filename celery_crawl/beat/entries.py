@@ -29,6 +29,7 @@ from ..schedules.policies import (
     CatchupPolicy,
     Overlap,
 )
+from .crontab_slots import CrontabSlots
 
 __all__ = ["OVERLAP_POLICIES", "BeatEntry", "CelerySlotSource", "from_beat_schedule",
            "from_spec"]
@@ -88,10 +89,11 @@ def _floor_s(when: datetime) -> datetime:
 class CelerySlotSource:
     """Slots of a Celery ``schedule``/``crontab``/``solar``: each due instant, to the second.
 
-    ``next_slot(after) = now + remaining_estimate(after)``, which for every Celery schedule is
+    A plain interval is computed directly so consecutive slots are exactly ``run_every`` apart;
+    a plain ``crontab`` by :class:`CrontabSlots`, the same on every Celery version. Other
+    schedules (``solar``, a subclass): ``next_slot(after) = now + remaining_estimate(after)``,
     ``after``'s next due instant whatever ``now`` is (rounded to the second, because the two
-    reads of ``now`` differ by microseconds); a plain interval is computed directly so
-    consecutive slots are exactly ``run_every`` apart.
+    reads of ``now`` differ by microseconds).
     """
 
     def __init__(self, schedule: Any) -> None:
@@ -100,7 +102,10 @@ class CelerySlotSource:
 
         self.schedule = schedule
         self._interval_s: float | None = None
-        if type(schedule) is interval:
+        self._crontab: CrontabSlots | None = None
+        if type(schedule) is crontab:
+            self._crontab = CrontabSlots(schedule)
+        elif type(schedule) is interval:
             self._interval_s = schedule.run_every.total_seconds()
             if self._interval_s <= 0:
                 raise ScheduleError(f"schedule {schedule!r}: interval must be positive")
@@ -113,6 +118,8 @@ class CelerySlotSource:
         if self._interval_s is not None:
             nxt = _floor_s(after + timedelta(seconds=self._interval_s))
             return nxt if nxt > after else nxt + timedelta(seconds=1)
+        if self._crontab is not None:
+            return self._crontab.next_slot(after)
         now = self.schedule.now()
         if now.tzinfo is None:
             now = now.replace(tzinfo=UTC)
