@@ -66,7 +66,13 @@ from redis import exceptions as redis_errors
 
 from .. import _finishing as finishing
 from .. import _issued as issued
-from .._celery_compat import call_task_errbacks, fail_chain, max_value_size, result_meta
+from .._celery_compat import (
+    call_task_errbacks,
+    fail_chain,
+    failure_expires,
+    max_value_size,
+    result_meta,
+)
 from ..config import CrawlConfig, mask_url
 from ..errors import (
     ConfigError,
@@ -667,7 +673,7 @@ class AuditedRedisBackend(RedisBackend):
         rollback = getattr(request, "crawl_rollback", None) if request is not None else None
         guard = (getattr(request, GUARD_ATTR, None)
                  if request is not None and state == states.SUCCESS else None)
-        expires = self.failure_expires if state == states.FAILURE else self.expires
+        expires = failure_expires(self) if state == states.FAILURE else self.expires
         outcome = self.write_state(
             task_id, value, state, token=token, digest=digest, worker=worker or "",
             rollback=rollback or "", expires_s=int(expires or 0),

@@ -28,6 +28,7 @@ from typing import Any
 from celery.beat import Scheduler
 
 from .. import keys, metrics, status
+from .._celery_compat import warn_untested
 from ..clock import Clock, RedisTimeReference, monotonic
 from ..config import CrawlConfig, plain_redis_url
 from ..errors import ConfigError, CrawlError, FencedError, LeaseError, StoreError
@@ -99,6 +100,7 @@ class LeasedScheduler(Scheduler):
     def setup_schedule(self) -> None:
         """Open the store, check it, start metrics and load the schedule (not when lazy)."""
         status.install(self.app, lambda: status.beat_process(self))
+        warn_untested("beat")
         try:
             metrics.start_metrics_server(self.config.metrics_port, addr=self.config.metrics_addr)
         except ConfigError as exc:  # a busy port must not take the scheduler down

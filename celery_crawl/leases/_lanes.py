@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .._celery_compat import pool_connection
+
 __all__ = ["Lanes"]
 
 
@@ -38,7 +40,7 @@ class Lanes:
         try:
             return free.pop(), free
         except IndexError:
-            return client.connection_pool.get_connection(), free
+            return pool_connection(client.connection_pool), free
 
     @staticmethod
     def give(taken: tuple[Any, list[Any]], *, broken: bool = False) -> None:

@@ -192,7 +192,7 @@ class ClaimStep(bootsteps.StartStopStep):
         self._close_line()  # a start without a stop first: the old line's replies are read
         self.consumer = c
         self._ride(c)
-        if self._riding is None:
+        if self._riding is None and compat.fast_paths_ok():
             hub = getattr(self.worker, "hub", None)
             self._line = store_line_for(self.store, self.claimer, self.config.store_timeout_s,
                                         self._watch(), getattr(hub, "call_soon", None))
@@ -218,6 +218,11 @@ class ClaimStep(bootsteps.StartStopStep):
         round trips, when the lease store is the broker's Redis server and database."""
         store, claimer = self.store, self.claimer
         if not isinstance(store, RedisLeaseStore) or claimer is None:
+            return
+        if not compat.fast_paths_ok():
+            logger.info("celery-crawl: claims do not ride the broker's round trips on these "
+                        "releases (%s): the default path is used",
+                        ", ".join(compat.untested_versions()))
             return
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
         where = compat.redis_channel_server(channel)
@@ -1089,11 +1094,11 @@ class ClaimStep(bootsteps.StartStopStep):
         if req is None or compat.request_message(req) is not held.message:
             return 0
         # Not announced as revoked/retried: the task is not over, it runs elsewhere.
-        compat.cancel_quietly(req)
+        compat.cancel_quietly(req, getattr(self.consumer, "timer", None))
         pool = self.worker.pool
         if self.pool_name == "prefork":
             with contextlib.suppress(Exception):
-                req.cancel(pool, signal=_signal.SIGKILL, emit_retry=False)
+                compat.cancel_request(req, pool, _signal.SIGKILL)
             if not req.time_start:
                 worker_state.task_ready(req)
             return 1

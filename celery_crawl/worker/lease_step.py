@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps, signals
 
+from .. import _celery_compat as compat
 from .. import _finishing as finishing
 from .. import _issued as issued
 from .. import metrics, status
@@ -52,6 +53,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self.app = w.app
         self.config = CrawlConfig.from_app(w.app)
         check_beat(beat)
+        compat.warn_untested("worker")
         self.pool_name = check_pool(w.pool_cls)
         self.memory_limit = check_memory(
             self.config.min_memory_bytes, w.app.conf.get("worker_max_memory_per_child"))
