@@ -79,7 +79,7 @@ CHECKED_AGAINST: dict[str, tuple[str, ...]] = {
 TESTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "celery": ((5, 4), (5, 7)),
     "kombu": ((5, 4), (5, 7)),
-    "redis": ((5, 0), (8, 2)),
+    "redis": ((5, 2), (8, 2)),
 }
 
 #: Private names that exist only from a release on: ``module:Class.name`` -> (distribution,
