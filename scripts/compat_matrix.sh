@@ -19,6 +19,7 @@ TESTS=(
   "tests/system/test_worker_recovery.py::test_kill9_mid_task_runs_elsewhere_exactly_once"
   "tests/system/test_worker_recovery.py::test_stock_celery_leaves_a_killed_workers_task_unrun"
   "tests/system/test_beat_ha.py::test_kill9_of_the_leader"
+  "tests/system/test_beat_ha.py::test_two_stock_beats_both_dispatch"
 )
 
 case "${1:-}" in
