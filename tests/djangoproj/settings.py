@@ -2,7 +2,8 @@
 
 * ``CRAWL_DJ_DB`` — ``sqlite:///path/to/db.sqlite3`` or
   ``postgresql://user@host:port/name``;
-* ``CRAWL_DJ_BROKER`` — the broker (and result backend) URL, a Redis;
+* ``CRAWL_DJ_BROKER`` — the broker (and, unless ``CRAWL_DJ_BACKEND`` says otherwise, result
+  backend) URL; ``CRAWL_DJ_QUEUE`` — the default queue;
 * ``CRAWL_DJ_LEASE`` — ``crawl_lease_url``; ``CRAWL_DJ_NS`` — namespace;
 * ``CRAWL_DJ_SCHEDULER`` — set to ``stock`` to keep django-celery-beat's own scheduler.
 
@@ -36,7 +37,8 @@ else:
                              "OPTIONS": {"connect_timeout": 2}}}
 
 CELERY_BROKER_URL = _env("CRAWL_DJ_BROKER")
-CELERY_RESULT_BACKEND = _env("CRAWL_DJ_BROKER")
+CELERY_RESULT_BACKEND = _env("CRAWL_DJ_BACKEND", _env("CRAWL_DJ_BROKER")) or None
+CELERY_TASK_DEFAULT_QUEUE = _env("CRAWL_DJ_QUEUE", "celery")
 CELERY_TIMEZONE = "UTC"
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"

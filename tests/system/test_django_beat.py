@@ -12,20 +12,18 @@ every (entry, slot) must be published under one task id.
   ``last_run_at``/``total_run_count`` written back under the fence of the newest token;
 * PostgreSQL cut (the proxy refuses) at the ticks: the rows keep running, the write-back waits
   and catches up when the database is back;
-* a DST night in America/New_York and one in Europe/Berlin (libfaketime on the beat and on its
-  Redis, the same offset, monotonic clocks untouched): a row at 02:30 runs once, at the jump,
-  where django-celery-beat's own scheduler runs it never.
+* a DST night in America/New_York and one in Europe/Berlin (libfaketime on the beat, monotonic
+  clocks untouched; an etcd lease store and a RabbitMQ broker, so no Redis clock pulls the beat
+  back to the real time): a row at 02:30 runs once, at the jump.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -40,7 +38,15 @@ pytest.importorskip("django_celery_beat")
 from celery_crawl import keys
 from celery_crawl.leases import open_store
 from tests.procs import ROOT, Proc, celery_args, faketime_lib
-from tests.servers import RedisServer, find_redis_server, missing_tool, wait_until
+from tests.servers import (
+    EtcdServer,
+    RedisServer,
+    delete_rabbit_vhost,
+    etcd_binary,
+    make_rabbit_vhost,
+    missing_tool,
+    wait_until,
+)
 from tests.tcpproxy import TcpProxy
 
 pytestmark = pytest.mark.system
@@ -273,54 +279,80 @@ NIGHTS = {"America/New_York": datetime(2026, 3, 8, 7, 0, tzinfo=UTC),
 LEAD_S = 12
 
 
-class _FakedRedis(RedisServer):
-    """A redis-server whose wall clock is libfaketime's (the beat's reference clock)."""
+def _drain(broker_url: str, queue: str, seen: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Take the messages waiting in ``queue`` (RabbitMQ) into ``seen``; returns ``seen``."""
+    from kombu import Connection
 
-    def __init__(self, env: dict[str, str]) -> None:
-        super().__init__(base_dir=tempfile.mkdtemp(prefix="crawl-redis-ft-"))
-        self.env = env
+    with Connection(broker_url, connect_timeout=5) as conn:
+        q = conn.SimpleQueue(queue)
+        try:
+            while True:
+                try:
+                    msg = q.get(block=False)
+                except q.Empty:
+                    break
+                seen.append({"entry": msg.headers.get("crawl_entry"),
+                             "slot": msg.headers.get("crawl_slot"), "id": msg.headers["id"]})
+                msg.ack()
+        finally:
+            q.close()
+    return seen
 
-    def start(self) -> RedisServer:
-        args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", str(self.dir), "--save", "", "--appendonly", "no",
-                "--protected-mode", "no"]
-        self.proc = subprocess.Popen(args, start_new_session=True, env={**os.environ, **self.env},
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: self.client().ping(), 15, what=f"redis on port {self.port}")
-        return self
+
+@pytest.fixture
+def rabbit_vhost() -> Iterator[str]:
+    vhost = make_rabbit_vhost()
+    if vhost is None:
+        missing_tool("RabbitMQ (rabbitmqctl) is not available")
+    try:
+        yield vhost
+    finally:
+        delete_rabbit_vhost(vhost)
 
 
-def test_a_dst_night_in_new_york_and_in_berlin_runs_each_slot_once(tmp_path: Path) -> None:
+def test_a_dst_night_in_new_york_and_in_berlin_runs_each_slot_once(
+        tmp_path: Path, rabbit_vhost: str) -> None:
+    """A row at 02:30 on the night 02:00 jumps to 03:00, in each zone: one run, at the jump.
+
+    The beat's wall clock is libfaketime's; its reference clock must move with it, so the
+    lease store is etcd (no clock of its own) and the broker RabbitMQ (not a Redis the guard
+    would read): the clock guard is then off, and the faked clock is the beat's "now".
+    """
     lib = faketime_lib()
     if lib is None:
         missing_tool("libfaketime not installed (apt-get install faketime)")
-    started: list[tuple[str, _FakedRedis, Beats, Published]] = []
+    if etcd_binary() is None:
+        missing_tool("etcd not installed")
+    broker_url = f"amqp://guest:guest@127.0.0.1:5672/{rabbit_vhost}"
+    etcd = EtcdServer().start()
+    started: list[tuple[str, Beats, str]] = []
     try:
-        for zone, jump in NIGHTS.items():  # both nights at once, each on its own clocks
+        for zone, jump in NIGHTS.items():  # both nights at once, each on its own clock
             offset = int((jump - datetime.now(UTC)).total_seconds()) - LEAD_S
-            fake = {"LD_PRELOAD": lib, "FAKETIME": f"{offset:+d}s",
-                    "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
-            redis = _FakedRedis(fake).start()
-            db = tmp_path / f"{zone.replace('/', '-')}.sqlite3"
-            env = _env(redis, f"sqlite:///{db}")
+            tag = zone.replace("/", "-")
+            env = {"CRAWL_DJ_DB": f"sqlite:///{tmp_path / tag}.sqlite3",
+                   "CRAWL_DJ_BROKER": broker_url, "CRAWL_DJ_BACKEND": "",
+                   "CRAWL_DJ_QUEUE": f"q-{tag}", "CRAWL_DJ_LEASE": etcd.url,
+                   "CRAWL_DJ_NS": f"dst-{tag}-{uuid.uuid4().hex[:4]}"}
             _admin(env, {"op": "migrate"},
                    {"op": "crontab", "name": "at-0230", "minute": "30", "hour": "2", "tz": zone})
-            logs = tmp_path / zone.replace("/", "-")
+            logs = tmp_path / tag
             logs.mkdir()
             beats = Beats(env, logs)
-            started.append((zone, redis, beats, Published(redis)))
-            beats.spawn(env={k: v for k, v in fake.items() if k != "LD_PRELOAD"}, preload=lib)
-        for zone, _redis, _beats, published in started:
-            wait_until(lambda p=published: p.of("at-0230"), LEAD_S + 20,  # type: ignore[misc]
-                       what=f"the 02:30 run of the {zone} night")
-        for zone, _redis, beats, published in started:
-            runs = published.of("at-0230")
-            jump = NIGHTS[zone]
-            # once, with the jump as its slot (the first real instant after 02:30 was skipped)
-            assert [r["slot"] for r in runs] == [f"{jump:%Y-%m-%dT%H:%M:%SZ}"], \
+            started.append((zone, beats, f"q-{tag}"))
+            beats.spawn(env={"FAKETIME": f"{offset:+d}s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"},
+                        preload=lib)
+        seen: dict[str, list[dict[str, Any]]] = {zone: [] for zone in NIGHTS}
+        for zone, _beats, queue in started:
+            wait_until(lambda z=zone, q=queue: _drain(broker_url, q, seen[z]),  # type: ignore[misc]
+                       LEAD_S + 30, interval_s=0.2, what=f"the 02:30 run of the {zone} night")
+        for zone, beats, queue in started:
+            # Once, with the jump as its slot (the first real instant after the skipped 02:30);
+            # its next slot is a day later, so nothing else can come now.
+            runs = _drain(broker_url, queue, seen[zone])
+            assert [r["slot"] for r in runs] == [f"{NIGHTS[zone]:%Y-%m-%dT%H:%M:%SZ}"], \
                 (zone, runs, beats.logs_tail())
     finally:
-        for _zone, redis, beats, _published in started:
+        for _zone, beats, _queue in started:
             beats.stop()
-            redis.cleanup()
-            shutil.rmtree(redis.dir, ignore_errors=True)
+        etcd.cleanup()
