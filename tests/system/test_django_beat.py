@@ -81,6 +81,7 @@ def pg_database() -> Iterator[str]:
 
 
 def _admin(env: dict[str, str], *ops: dict[str, Any]) -> None:
+    """Edits through the ORM in a process of their own (with ``env``'s LD_PRELOAD, if any)."""
     out = subprocess.run([sys.executable, "-m", "tests.djangoproj.admin", json.dumps(list(ops))],
                          env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT),
                          capture_output=True, text=True, timeout=60)
@@ -292,7 +293,8 @@ def _drain(broker_url: str, queue: str, seen: list[dict[str, Any]]) -> list[dict
                 except q.Empty:
                     break
                 seen.append({"entry": msg.headers.get("crawl_entry"),
-                             "slot": msg.headers.get("crawl_slot"), "id": msg.headers["id"]})
+                             "slot": msg.headers.get("crawl_slot"), "id": msg.headers["id"],
+                             "row": msg.headers.get("periodic_task_name")})
                 msg.ack()
         finally:
             q.close()
@@ -313,6 +315,8 @@ def rabbit_vhost() -> Iterator[str]:
 def test_a_dst_night_in_new_york_and_in_berlin_runs_each_slot_once(
         tmp_path: Path, rabbit_vhost: str) -> None:
     """A row at 02:30 on the night 02:00 jumps to 03:00, in each zone: one run, at the jump.
+    Stock django-celery-beat (its ``DatabaseScheduler``) on the same New York night, from the
+    same faked clock, runs a row every minute at the jump and the 02:30 row not at all.
 
     The beat's wall clock is libfaketime's; its reference clock must move with it, so the
     lease store is etcd (no clock of its own) and the broker RabbitMQ (not a Redis the guard
@@ -326,33 +330,52 @@ def test_a_dst_night_in_new_york_and_in_berlin_runs_each_slot_once(
     broker_url = f"amqp://guest:guest@127.0.0.1:5672/{rabbit_vhost}"
     etcd = EtcdServer().start()
     started: list[tuple[str, Beats, str]] = []
+    runs = [("America/New_York", "leased"), ("Europe/Berlin", "leased"),
+            ("America/New_York", "stock")]
     try:
-        for zone, jump in NIGHTS.items():  # both nights at once, each on its own clock
+        for zone, kind in runs:  # each night on its own clock, all at once
+            jump = NIGHTS[zone]
             offset = int((jump - datetime.now(UTC)).total_seconds()) - LEAD_S
-            tag = zone.replace("/", "-")
+            fake = {"FAKETIME": f"{offset:+d}s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+            tag = f"{kind}-{zone.replace('/', '-')}"
             env = {"CRAWL_DJ_DB": f"sqlite:///{tmp_path / tag}.sqlite3",
                    "CRAWL_DJ_BROKER": broker_url, "CRAWL_DJ_BACKEND": "",
                    "CRAWL_DJ_QUEUE": f"q-{tag}", "CRAWL_DJ_LEASE": etcd.url,
                    "CRAWL_DJ_NS": f"dst-{tag}-{uuid.uuid4().hex[:4]}"}
-            _admin(env, {"op": "migrate"},
-                   {"op": "crontab", "name": "at-0230", "minute": "30", "hour": "2", "tz": zone})
+            ops: list[dict[str, Any]] = [
+                {"op": "migrate"},
+                {"op": "crontab", "name": "at-0230", "minute": "30", "hour": "2", "tz": zone}]
+            if kind == "stock":
+                env["CRAWL_DJ_SCHEDULER"] = "stock"
+                ops.append({"op": "crontab", "name": "every-min", "minute": "*", "hour": "*",
+                            "tz": zone})
+                # its rows' date_changed starts its schedule: made on the same faked clock
+                _admin({**env, **fake, "LD_PRELOAD": lib}, *ops)
+            else:
+                _admin(env, *ops)
             logs = tmp_path / tag
             logs.mkdir()
             beats = Beats(env, logs)
-            started.append((zone, beats, f"q-{tag}"))
-            beats.spawn(env={"FAKETIME": f"{offset:+d}s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"},
-                        preload=lib)
-        seen: dict[str, list[dict[str, Any]]] = {zone: [] for zone in NIGHTS}
-        for zone, _beats, queue in started:
-            wait_until(lambda z=zone, q=queue: _drain(broker_url, q, seen[z]),  # type: ignore[misc]
-                       LEAD_S + 30, interval_s=0.2, what=f"the 02:30 run of the {zone} night")
-        for zone, beats, queue in started:
+            started.append((tag, beats, f"q-{tag}"))
+            beats.spawn(env=fake, preload=lib)
+        seen: dict[str, list[dict[str, Any]]] = {tag: [] for tag, _, _ in started}
+        for tag, _beats, queue in started:
+            row = "every-min" if tag.startswith("stock") else "at-0230"
+            wait_until(lambda t=tag, q=queue, r=row: any(  # type: ignore[misc]
+                m["row"] == r for m in _drain(broker_url, q, seen[t])),
+                LEAD_S + 70, interval_s=0.2, what=f"the run at the jump ({tag})")
+        for (zone, kind), (tag, beats, queue) in zip(runs, started, strict=True):
+            at_0230 = [m for m in _drain(broker_url, queue, seen[tag]) if m["row"] == "at-0230"]
+            if kind == "stock":
+                # its every-minute row ran at the jump; the 02:30 row did not, and will not
+                # before the next day
+                assert at_0230 == [], (tag, at_0230)
+                continue
             # Once, with the jump as its slot (the first real instant after the skipped 02:30);
             # its next slot is a day later, so nothing else can come now.
-            runs = _drain(broker_url, queue, seen[zone])
-            assert [r["slot"] for r in runs] == [f"{NIGHTS[zone]:%Y-%m-%dT%H:%M:%SZ}"], \
-                (zone, runs, beats.logs_tail())
+            assert [m["slot"] for m in at_0230] == [f"{NIGHTS[zone]:%Y-%m-%dT%H:%M:%SZ}"], \
+                (tag, at_0230, beats.logs_tail())
     finally:
-        for _zone, beats, _queue in started:
+        for _tag, beats, _queue in started:
             beats.stop()
         etcd.cleanup()
