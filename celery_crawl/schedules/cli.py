@@ -106,8 +106,13 @@ def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
         sys.exit(1)
     n = len(schedule.specs)
     click.echo(f"{n} entr{'y' if n == 1 else 'ies'} ok in {len(schedule.files)} file(s)")
+    rows = [e for e in schedule.entries.values() if e.origin == "django_celery_beat"]
+    if rows or schedule.source_errors:
+        click.echo(f"{len(rows)} django-celery-beat row(s) run: "
+                   f"{', '.join(sorted(e.name for e in rows)) or 'none'}")
     errors = [str(e) for e in (*schedule.file_errors, *schedule.duplicates)]
     errors += [f"entry {name!r}: {exc}" for name, exc in schedule.entry_errors.items()]
+    errors += schedule.source_errors
     if errors:
         _print_errors(errors)
         sys.exit(1)

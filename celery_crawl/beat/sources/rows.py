@@ -152,12 +152,13 @@ def _schedule(row: Mapping[str, Any], app: Any) -> tuple[Any, str]:
             raise RowError(f"{_where(row, 'clocked')}: no clocked_time")
         return Clocked(when), f"clocked {when.isoformat()}"
     if kind == "solar":
+        from celery.exceptions import ImproperlyConfigured
         from celery.schedules import solar
 
         event, lat, lon = row.get("event"), row.get("latitude"), row.get("longitude")
         try:
             sched = solar(str(event), float(lat), float(lon), app=app)  # type: ignore[arg-type]
-        except ImportError:
+        except (ImportError, ImproperlyConfigured):  # Celery's word for "ephem is missing"
             raise RowError(f"{_where(row, 'solar')}: solar schedules need the ephem package "
                            "(pip install ephem)") from None
         except (ValueError, TypeError) as exc:
