@@ -232,6 +232,8 @@ class LeasedScheduler(Scheduler):
     # -- leadership ----------------------------------------------------------------------------
     def _after_demotion(self, reason: str) -> None:
         dropped = self._book.clear() if self._book is not None else 0
+        if self._rows is not None:
+            self._rows.forget_runs()  # written back by the next leader's token, not ours
         if self._dispatch is not None:
             self._dispatch.clear()
         log.error("beat replica %s stopped dispatching and is standing by: %s%s",

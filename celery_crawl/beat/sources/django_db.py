@@ -28,6 +28,8 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import logging
+import queue
+import threading
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
@@ -53,6 +55,38 @@ _ROW_FIELDS = (
     "clocked__clocked_time", "solar__event", "solar__latitude", "solar__longitude",
     "crontab_id", "interval_id", "clocked_id", "solar_id",
 )
+
+
+class _DbThread:
+    """One daemon thread running the source's database calls in order.
+
+    A daemon, not a ``ThreadPoolExecutor`` worker: a call stuck on an unreachable database must
+    not hold up the beat's exit (the executor's threads are joined at interpreter exit).
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[cf.Future[Any], Callable[[], Any]] | None] = \
+            queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="crawl-django", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], _T]) -> cf.Future[_T]:
+        future: cf.Future[_T] = cf.Future()
+        self._calls.put((future, fn))
+        return future
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the waiting caller
+                future.set_exception(exc)
 
 
 class _Refused(Exception):
@@ -116,12 +150,21 @@ class DjangoBeatSource:
         self._pending: dict[str, _Run] = {}
         self._one_off: set[str] = set()
         self._fence_ready = False
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="crawl-django")
+        self._pool = _DbThread()
+        self._busy: cf.Future[Any] | None = None
 
     # -- the database thread -------------------------------------------------------------------
     def _call(self, fn: Callable[[], _T], what: str) -> _T:
-        """Run ``fn`` on the database thread; its errors and its silence become store errors."""
-        future = self._pool.submit(self._guarded, fn)
+        """Run ``fn`` on the database thread; its errors and its silence become store errors.
+
+        While an earlier call is still stuck (a database that stopped answering), nothing more
+        is queued behind it: the caller is told at once.
+        """
+        if self._busy is not None and not self._busy.done():
+            raise StoreTimeout(f"django_celery_beat: {what}: an earlier database call has not "
+                               "returned yet")
+        future: cf.Future[_T] = self._pool.submit(lambda: self._guarded(fn))
+        self._busy = future
         try:
             return future.result(timeout=self.timeout_s)
         except cf.TimeoutError:
@@ -216,6 +259,12 @@ class DjangoBeatSource:
             if self._pending.get(name) is run:
                 del self._pending[name]
 
+    def forget_runs(self) -> int:
+        """Drop the runs not written back (a deposed leader's: the next leader owns them)."""
+        dropped = len(self._pending)
+        self._pending.clear()
+        return dropped
+
     def close(self) -> None:
         """Close the database connection of the source's thread and stop the thread."""
         def _close() -> None:
@@ -223,9 +272,10 @@ class DjangoBeatSource:
 
             connections.close_all()
 
-        with contextlib.suppress(Exception):  # closing only; the source is done
-            self._pool.submit(_close).result(timeout=self.timeout_s)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._busy is None or self._busy.done():
+            with contextlib.suppress(Exception):  # closing only; the source is done
+                self._pool.submit(_close).result(timeout=self.timeout_s)
+        self._pool.stop()
 
 
 def _setup_django() -> None:
