@@ -36,6 +36,7 @@ import pytest
 pytest.importorskip("django_celery_beat")
 
 from celery_crawl import keys
+from celery_crawl.beat.state import SkipLog
 from celery_crawl.leases import open_store
 from tests.procs import ROOT, Proc, celery_args, faketime_lib
 from tests.servers import (
@@ -200,6 +201,11 @@ def _ha_scenario(env: dict[str, str], logs: Path, broker: RedisServer, read_row:
         if proxy is not None:
             # The database cut at the ticks: the last good rows keep running, nothing is
             # written back until it is back, then the write-back catches up.
+            def skips() -> dict[str, Any]:
+                return {n: SkipLog.from_record(beats.store.get(keys.beat_skips(n))).totals
+                        for n in ("tick", "added")}
+
+            skipped_before = skips()
             proxy.refuse()
             cut_at = datetime.now(UTC)
             published.wait("tick", 4, timeout_s=15)
@@ -210,6 +216,7 @@ def _ha_scenario(env: dict[str, str], logs: Path, broker: RedisServer, read_row:
             proxy.passthrough()
             wait_until(lambda: (r := read_row("tick"))[0] is not None and r[0] > cut_at, 15,
                        what="the write-back catches up after the outage")
+            assert skips() == skipped_before, "the outage wrote slots off as skipped"
         counts = published.check_once()
         assert counts["tick"] >= 7 and counts["added"] >= 5, counts
         return int(new_token)
