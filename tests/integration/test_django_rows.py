@@ -171,9 +171,21 @@ def test_rows_are_read_only_when_the_marker_moves(app: Celery) -> None:
         assert len(seen) == 5 and all("periodictasks" in q for q in seen), seen
         row = _task("b", crontab=_crontab("0", "5", "UTC"))  # an admin save moves the marker
         assert source.poll() and set(source.entries) == {"a", "b"}
+        before = source.entries["b"].fingerprint
+        row.args = json.dumps(["changed"])
+        row.save()
+        assert source.poll() and source.entries["b"].fingerprint != before
+        cron = row.crontab
+        cron.hour = "6"  # the schedule edited on its own admin page
+        cron.save()
+        assert source.poll() and source.entries["b"].source.expr == "0 6 * * *"
         row.enabled = False
         row.save()
         assert source.poll() and set(source.entries) == {"a"}
+        from django_celery_beat.models import PeriodicTask
+
+        PeriodicTask.objects.get(name="a").delete()
+        assert source.poll() and source.entries == {}
     finally:
         source.close()
 
