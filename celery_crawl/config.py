@@ -12,7 +12,8 @@ from ._urls import LEASE_SCHEMES, masked_url
 from .durations import parse_duration
 from .errors import ConfigError
 
-__all__ = ["DEFAULTS", "LEASE_SCHEMES", "CrawlConfig", "mask_url", "plain_redis_url"]
+__all__ = ["DEFAULTS", "LEASE_SCHEMES", "SCHEDULE_SOURCES", "CrawlConfig", "mask_url",
+           "plain_redis_url", "schedule_sources"]
 
 _REDIS_BACKEND_SCHEMES = {"redis": "redis", "rediss": "rediss", "crawlredis": "redis",
                           "crawlrediss": "rediss",
@@ -38,7 +39,11 @@ DEFAULTS: dict[str, Any] = {
     "crawl_audit_maxlen": 1_000_000,
     "crawl_store_timeout": 2.0,
     "crawl_beat_verify_delivery": 0.0,
+    "crawl_schedule_sources": ["files", "beat_schedule"],
 }
+
+#: Where the beat may take entries from (``crawl_schedule_sources``), in assembly order.
+SCHEDULE_SOURCES = ("files", "beat_schedule", "django_celery_beat")
 
 _MIN_TTL_S = 0.5
 
@@ -69,6 +74,7 @@ class CrawlConfig:
     audit_maxlen: int
     store_timeout_s: float
     beat_verify_delivery_s: float = 0.0
+    schedule_sources: tuple[str, ...] = ("files", "beat_schedule")
 
     @classmethod
     def from_app(cls, app: Any) -> CrawlConfig:
@@ -161,6 +167,7 @@ class CrawlConfig:
             raise ConfigError(
                 f"crawl_beat_verify_delivery: {verify:g}s is too short (0 = off, else >= 1s): "
                 "a run must have time to reach a worker before it is looked for")
+        sources = schedule_sources(v["crawl_schedule_sources"])
         return cls(
             lease_url=url, namespace=namespace, beat_lease_ttl_s=beat_ttl,
             worker_lease_ttl_s=worker_ttl, reaper_interval_s=reaper_s, max_clock_skew_s=skew,
@@ -168,8 +175,28 @@ class CrawlConfig:
             on_lease_loss=on_loss,
             max_deliveries=max_del, done_ttl_s=done_ttl, min_memory_bytes=min_mem_b,
             redis_wait_replicas=replicas, audit_maxlen=maxlen, store_timeout_s=timeout,
-            beat_verify_delivery_s=verify,
+            beat_verify_delivery_s=verify, schedule_sources=sources,
         )
+
+
+def schedule_sources(value: object) -> tuple[str, ...]:
+    """``crawl_schedule_sources`` validated: a list of known source names, each once.
+
+    Raises:
+        ConfigError: naming the setting and the bad value.
+    """
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
+        raise ConfigError(f"crawl_schedule_sources: {value!r} must be a list of source names "
+                          f"({', '.join(SCHEDULE_SOURCES)})")
+    for name in value:
+        if name not in SCHEDULE_SOURCES:
+            raise ConfigError(f"crawl_schedule_sources: unknown source {name!r} "
+                              f"(known: {', '.join(SCHEDULE_SOURCES)})")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"crawl_schedule_sources: {list(value)!r} names a source twice")
+    return tuple(value)
 
 
 def plain_redis_url(url: object) -> str | None:

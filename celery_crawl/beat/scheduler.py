@@ -44,6 +44,7 @@ from .guards import Guards
 from .publish import Publisher
 from .reload import FileWatch, changed_names
 from .slots import SkipRange
+from .sources import row_source
 from .state import EntryState, Sent, format_slot, parse_slot
 from .term import Term
 from .verify import DeliveryCheck
@@ -77,6 +78,11 @@ class LeasedScheduler(Scheduler):
         self.entries: dict[str, BeatEntry] = {}
         self._files_ok = True
         self._watch = FileWatch(self.config.schedule_paths)
+        #: django-celery-beat's rows (``crawl_schedule_sources``), read when their marker moves
+        self._rows = row_source(app, self.config) \
+            if "django_celery_beat" in self.config.schedule_sources else None
+        self._rows_problem: str | None = None
+        self._next_write_back = 0.0
         self._store: Any = None
         self._clock: Clock | None = None
         self._term: Term | None = None
@@ -190,6 +196,7 @@ class LeasedScheduler(Scheduler):
                         self._book.flush()
                     except CrawlError as exc:
                         log.warning("beat: final state flush failed: %s", exc)
+                    self._write_back_rows()
                 try:
                     store.release(lease)
                     log.warning("beat replica %s released the leader lease (token %d)",
@@ -206,6 +213,8 @@ class LeasedScheduler(Scheduler):
             if self._verify is not None:
                 with contextlib.suppress(Exception):  # its broker connection only
                     self._verify.broker.close()
+            if self._rows is not None:
+                self._rows.close()
             if store is not None:
                 store.close()
             super().close()
@@ -225,6 +234,8 @@ class LeasedScheduler(Scheduler):
     # -- leadership ----------------------------------------------------------------------------
     def _after_demotion(self, reason: str) -> None:
         dropped = self._book.clear() if self._book is not None else 0
+        if self._rows is not None:
+            self._rows.forget_runs()  # written back by the next leader's token, not ours
         if self._dispatch is not None:
             self._dispatch.clear()
         log.error("beat replica %s stopped dispatching and is standing by: %s%s",
@@ -280,6 +291,22 @@ class LeasedScheduler(Scheduler):
         if self._verify is not None and self.election.is_leader and now_m >= self._next_verify:
             self._next_verify = now_m + VERIFY_POLL_S
             self._check_deliveries()
+        if self._rows is not None and self._rows.pending and now_m >= self._next_write_back:
+            self._next_write_back = now_m + RELOAD_POLL_S
+            self._write_back_rows()
+
+    def _write_back_rows(self) -> None:
+        """``last_run_at``/``total_run_count`` of django-celery-beat rows, fenced by the token."""
+        lease = self.election.lease
+        if self._rows is None or lease is None or not self.election.may_publish():
+            return
+        try:
+            self._rows.write_back(lease.token)
+        except FencedError as exc:
+            log.error("beat: %s", exc)
+        except CrawlError as exc:
+            log.warning("beat: writing runs back to django-celery-beat failed, trying again: "
+                        "%s", exc)
 
     def _check_deliveries(self) -> None:
         assert self._verify is not None and self._book is not None
@@ -337,6 +364,8 @@ class LeasedScheduler(Scheduler):
             self._verify.track(st, task_id, format_slot(slot), manual)
         st.last_task_id = task_id
         st.last_run_slot = slot
+        if self._rows is not None:
+            self._rows.ran(entry, now)
         if not manual and (st.last_slot is None or slot > st.last_slot):
             st.last_slot = slot
         metrics.BEAT_DISPATCHED.inc()
@@ -347,10 +376,11 @@ class LeasedScheduler(Scheduler):
     def _reload(self, *, force: bool = False) -> None:
         """Assemble the schedule again when a schedule file changed. A file that fails to load
         keeps its previous entries; the reason is logged."""
-        if not self._watch.changed(force=force):
+        files_changed = self._watch.changed(force=force)
+        if not self._poll_rows() and not files_changed:
             return
         schedule = assemble(self.app, paths=self.config.schedule_paths, base_dir=os.getcwd(),
-                            previous=self.entries)
+                            previous=self.entries, rows=self._rows)
         for name, exc in schedule.beat_schedule_errors.items():
             log.error("beat: skipping beat_schedule entry %r: %s", name, exc)
         for err in schedule.file_errors:
@@ -360,6 +390,9 @@ class LeasedScheduler(Scheduler):
             log.error("beat: %s", err)
         for name, error in schedule.entry_errors.items():
             log.error("beat: skipping schedule entry %r: %s", name, error)
+        for line in schedule.source_errors:
+            if self._rows is None or line not in self._rows.errors.values():  # logged there
+                log.error("beat: %s", line)
         changed = changed_names(self.entries, schedule.entries)
         self.entries, self._files_ok = schedule.entries, schedule.files_ok
         if self._dispatch is not None:
@@ -375,6 +408,24 @@ class LeasedScheduler(Scheduler):
                 except (StoreError, LeaseError, FencedError) as exc:
                     assert self._term is not None
                     self._term.demote(f"reload failed: {exc}", release=True)
+
+    def _poll_rows(self) -> bool:
+        """Whether django-celery-beat's rows changed; a failing database keeps the last good
+        rows (the beat goes on running them) and is polled again."""
+        if self._rows is None:
+            return False
+        try:
+            changed = self._rows.poll()
+        except CrawlError as exc:
+            if str(exc) != self._rows_problem:
+                log.error("beat: django-celery-beat rows not read (the last good rows are kept, "
+                          "trying again): %s", exc)
+            self._rows_problem = str(exc)
+            return False
+        if self._rows_problem is not None:
+            log.warning("beat: django-celery-beat rows read again")
+            self._rows_problem = None
+        return changed
 
     def _sleep_s(self) -> float:
         now_m = monotonic()
