@@ -405,8 +405,11 @@ class AuditedRedisBackend(RedisBackend):
         where = f"result backend {self.safe_url}" + (f": {what}" if what else "")
         redirected = isinstance(exc, redis_errors.AskError | redis_errors.ClusterDownError
                                 | redis_errors.TryAgainError)  # MovedError is an AskError
-        if not self.crawl_cluster and (
-                redirected or isinstance(exc, redis_errors.ClusterCrossSlotError)):
+        # redis-py before 6 answers a cluster node's CROSSSLOT to a plain client as a bare
+        # ResponseError.
+        cross_slot = isinstance(exc, redis_errors.ClusterCrossSlotError) or (
+            isinstance(exc, redis_errors.ResponseError) and str(exc).startswith("CROSSSLOT"))
+        if not self.crawl_cluster and (redirected or cross_slot):
             return StoreError(f"{where}: the server is a Redis Cluster node; name it with "
                               f"crawlredis+cluster:// ({exc})")
         if redirected:
