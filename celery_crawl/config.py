@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "crawl_audit_maxlen": 1_000_000,
     "crawl_store_timeout": 2.0,
     "crawl_beat_verify_delivery": 0.0,
+    "crawl_beat_schedule_mismatch": "refuse",
 }
 
 _MIN_TTL_S = 0.5
@@ -69,6 +70,7 @@ class CrawlConfig:
     audit_maxlen: int
     store_timeout_s: float
     beat_verify_delivery_s: float = 0.0
+    beat_schedule_mismatch: str = "refuse"
 
     @classmethod
     def from_app(cls, app: Any) -> CrawlConfig:
@@ -161,6 +163,10 @@ class CrawlConfig:
             raise ConfigError(
                 f"crawl_beat_verify_delivery: {verify:g}s is too short (0 = off, else >= 1s): "
                 "a run must have time to reach a worker before it is looked for")
+        mismatch = v["crawl_beat_schedule_mismatch"]
+        if mismatch not in ("refuse", "warn"):
+            raise ConfigError(f"crawl_beat_schedule_mismatch: {mismatch!r} must be 'refuse' "
+                              "or 'warn'")
         return cls(
             lease_url=url, namespace=namespace, beat_lease_ttl_s=beat_ttl,
             worker_lease_ttl_s=worker_ttl, reaper_interval_s=reaper_s, max_clock_skew_s=skew,
@@ -168,7 +174,7 @@ class CrawlConfig:
             on_lease_loss=on_loss,
             max_deliveries=max_del, done_ttl_s=done_ttl, min_memory_bytes=min_mem_b,
             redis_wait_replicas=replicas, audit_maxlen=maxlen, store_timeout_s=timeout,
-            beat_verify_delivery_s=verify,
+            beat_verify_delivery_s=verify, beat_schedule_mismatch=mismatch,
         )
 
 

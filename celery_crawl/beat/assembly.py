@@ -15,13 +15,13 @@ The beat, ``crawl status``, ``crawl next`` and ``crawl schedules check`` all cal
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..config import DEFAULTS
 from ..errors import CrawlError, ScheduleFileError
 from ..schedules import EntrySpec, check_duplicates_with_beat_schedule, load_schedule_files
+from ..schedules.root import schedule_base
 from .entries import BeatEntry, from_beat_schedule, from_spec
 
 __all__ = ["AppSchedule", "assemble"]
@@ -90,7 +90,8 @@ def schedule_paths(app: Any) -> tuple[list[str], ScheduleFileError | None]:
 def assemble(app: Any, *, paths: Sequence[str] | None = None, base_dir: str | None = None,
              previous: Mapping[str, BeatEntry] | None = None) -> AppSchedule:
     """The app's schedule: ``beat_schedule`` plus the files of ``paths`` (default: the app's
-    ``crawl_schedule_paths``) relative to ``base_dir`` (default: the working directory).
+    ``crawl_schedule_paths``) relative to ``base_dir`` (default: the app's project root,
+    :func:`~celery_crawl.schedules.root.schedule_base`, whatever the working directory).
 
     ``previous`` is the last assembly's entries (the beat's reload); without it a broken file
     contributes nothing. Never raises for bad input: problems are in the result.
@@ -106,7 +107,7 @@ def assemble(app: Any, *, paths: Sequence[str] | None = None, base_dir: str | No
         paths, bad = schedule_paths(app)
         if bad is not None:
             out.file_errors.append(bad)
-    loaded = load_schedule_files(list(paths), base_dir=base_dir or os.getcwd())
+    loaded = load_schedule_files(list(paths), base_dir=base_dir or schedule_base(app).path)
     out.specs, out.sources, out.files = loaded.entries, loaded.sources, loaded.files
     out.file_errors += loaded.errors
     out.broken = {str(err.file or "") for err in loaded.errors}

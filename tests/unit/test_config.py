@@ -58,6 +58,7 @@ BAD: list[tuple[str, Any]] = [
     ("crawl_store_timeout", "-2s"),
     ("crawl_beat_verify_delivery", "-1s"),
     ("crawl_beat_verify_delivery", 0.5),
+    ("crawl_beat_schedule_mismatch", "ignore"),
 ]
 
 

@@ -22,7 +22,7 @@ SECRET_URL = "redis://crawl:s3cr3t-pw@10.0.0.5:6379/0"
 def _view() -> dict:
     return {
         "generated": "2026-03-01T00:00:00Z", "namespace": "ns", "store": SECRET_URL,
-        "leader": {"holder": HOSTILE, "token": 7, "lease_left_s": 2.5},
+        "leader": {"holder": HOSTILE, "token": 7, "lease_time_left_s": 2.5},
         "replicas": [{"id": HOSTILE, "host": "h", "role": "leader", "token": 7,
                       "clock_offset_s": 0.012, "last_seen": "2026-03-01T00:00:00Z",
                       "blocked": f"store {SECRET_URL} refused", "entries": 2}],
