@@ -274,7 +274,8 @@ def test_up_summary_counts_refused_pages(tmp_path: Path) -> None:
                        "(not retryable)")
     fleet._summary(1.0)
     text = stream.getvalue()
-    assert "up |   pages: ok: 1, refused (host not allowed): 2\n" in text, text
+    assert "up |   distinct-URL pages: ok: 1, refused (host not allowed): 2  (one row per URL" \
+        in text, text
     assert ("retry decisions logged by the crawler: refused (host not allowed): 1, "
             "given up: 1\n") in text, text
 
