@@ -280,11 +280,14 @@ class LeasedScheduler(Scheduler):
 
     def _check_fleet(self) -> None:
         """A standby compares its schedule with the fleet's: a mismatch blocks it from leading
-        (``refuse``) or is logged (``warn``); see :mod:`.fleet`."""
+        (``refuse``: a leader that had not adopted its schedule steps down) or is logged
+        (``warn``); see :mod:`.fleet`."""
         assert self._fleet is not None and self._guards is not None
-        if self.election.is_leader:
-            metrics.BEAT_SCHEDULE_MISMATCH.set(0 if self._adopted else 1)
+        if self.election.is_leader and self._adopted:
+            metrics.BEAT_SCHEDULE_MISMATCH.set(0)
             return
+        # A standby, or a leader running a schedule it did not adopt (an empty one that led
+        # before any other replica was up): the latter steps down once the rule says so.
         reason = self._fleet.check(self.schedule_fingerprint, len(self.entries))
         fleet_fp = self._fleet.fingerprint
         metrics.BEAT_SCHEDULE_MISMATCH.set(
