@@ -135,7 +135,7 @@ def _fleet(view: dict[str, Any]) -> list[str]:
          "last seen", "blocked: why it may not lead"],
         [[("id", r["id"]), ("host", r["host"]), ("role", r["role"]),
           ("token", r["token"]),
-          ("schedule", (f"{r.get('schedule')} DIFFERS" if r.get("schedule_differs")
+          ("schedule", (f"{r.get('schedule') or '?'} DIFFERS" if r.get("schedule_differs")
                         else r.get("schedule"))),
           ("entries", r.get("entries")),
           ("clock_offset_s", None if r["clock_offset_s"] is None
@@ -150,11 +150,11 @@ def _fleet(view: dict[str, Any]) -> list[str]:
     parts.append(f"<h2>Next fires ({len(view['next_fires'])} of "
                  f"{view['entries_total']} entries)</h2>")
     parts.append(_table(
-        ["next fire (UTC)", "next fire (entry's zone)", "entry", "runs", "last run (UTC)",
+        ["next fire (UTC)", "entry", "next fire (entry's zone)", "runs", "last run (UTC)",
          "last run (entry's zone)", "paused", "skipped slots"],
-        [[("next_fire", r["next_fire"] or "never"),
+        [[("next_fire", r["next_fire"] or "never"), ("name", r["name"]),
           ("next_fire_local", r.get("next_fire_local") or ""),
-          ("name", r["name"]), ("runs", r["runs"]), ("last_run", r["last_run"]),
+          ("runs", r["runs"]), ("last_run", r["last_run"]),
           ("last_run_local", r.get("last_run_local")),
           ("paused", "PAUSED" if r["paused"] else ""),
           ("skipped", ", ".join(f"{k} {v}" for k, v in r["skipped"].items()))]

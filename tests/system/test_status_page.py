@@ -43,6 +43,8 @@ class Fleet:
             "CRAWL_B_SINK": redis_srv.url_db(2),
             # Installs the worker plugin (lease, claims) in the app the worker runs.
             "CRAWL_B_VERIFY": "2",
+            # Slot times are shown in the entries' zone beside UTC.
+            "CRAWL_B_TZ": "Asia/Shanghai",
         }
         self.store = open_store(redis_srv.url_db(0), namespace=self.ns, timeout_s=2.0)
         self.ports = {"beat": free_port(), "worker": free_port()}
@@ -161,6 +163,17 @@ def test_the_page_renders_in_chromium_and_escapes_every_value(fleet: Fleet, who:
     entries = {row[1][1]: row for row in cells(page.dom, table_id="entries")}
     assert set(entries) == {"e0", "e1"}
     assert dict(entries["e1"])["paused"] == "PAUSED"
+    local = dict(entries["e0"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d CST", local["next_fire_local"]), local
+    assert local["last_run_local"].endswith(" CST")
+    assert "does not take the lead" in page.dom and "blocked: why it may not lead" in page.dom
+    ours = [dict(row) for row in replicas if dict(row).get("id") != HOSTILE]
+    assert ours and all(r["entries"] == "2" and r["blocked"] == "no" for r in ours), ours
+    assert "The fleet runs schedule" in page.dom
+    # A worker's page is read for the worker: its own figures come first, above the fleet.
+    first = "process" if who == "worker" else "leader"
+    later = "leader" if who == "worker" else "process"
+    assert page.dom.index(f'id="{first}"') < page.dom.index(f'id="{later}"')
     assert "paused" in dict(entries["e1"])["skipped"]
     skipped = {row[0][1]: int(row[1][1]) for row in cells(page.dom, table_id="skipped")}
     assert skipped["paused"] >= 1
