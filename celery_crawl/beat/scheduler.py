@@ -41,7 +41,7 @@ from .book import StateBook
 from .commands import CommandQueue
 from .dispatch import Dispatcher
 from .election import Election
-from .entries import BeatEntry, zoned
+from .entries import BeatEntry, zone_name, zoned
 from .fleet import FleetSchedule
 from .guards import Guards
 from .publish import Publisher
@@ -432,8 +432,8 @@ class LeasedScheduler(Scheduler):
             st.last_slot = slot
         metrics.BEAT_DISPATCHED.inc()
         metrics.BEAT_DISPATCH_LAG.observe(max(0.0, time.time() - slot.timestamp()))
-        log.info("beat: published %s slot %s (%s UTC) as %s, token %d%s", entry.name,
-                 zoned(entry, slot), format_slot(slot), task_id, lease.token,
+        log.info("beat: published %s slot %s = %s in %s as %s, token %d%s", entry.name,
+                 format_slot(slot), zoned(entry, slot), zone_name(entry), task_id, lease.token,
                  " (manual)" if manual else "")
         return task_id
 

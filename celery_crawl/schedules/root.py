@@ -48,6 +48,15 @@ def _root_of(module: Any) -> Path | None:
         return None
     spec = getattr(module, "__spec__", None)
     name = str(getattr(spec, "name", None) or getattr(module, "__name__", ""))
+    top = sys.modules.get(name.split(".")[0]) if "." in name else None
+    if top is not None:
+        # The directory holding the top-level package (a subpackage may be mapped elsewhere).
+        top_file = getattr(top, "__file__", None)
+        if top_file:
+            return Path(top_file).resolve().parent.parent
+        top_paths = list(getattr(top, "__path__", None) or ())
+        if top_paths:
+            return Path(top_paths[0]).resolve().parent
     path = Path(file).resolve()
     depth = name.count(".") + (1 if path.name == "__init__.py" else 0)
     if name == "__main__":  # a script: its own directory
@@ -65,7 +74,8 @@ def _holder_of(app: Any) -> tuple[str, Any] | None:
     candidates = [sys.modules.get(main)] if isinstance(main, str) else []
     candidates += list(sys.modules.values())
     for module in candidates:
-        if module is None or not getattr(module, "__file__", None):
+        if module is None or not getattr(module, "__file__", None) \
+                or str(getattr(module, "__name__", "")).split(".")[0] in ("celery", "kombu"):
             continue
         try:
             values = list(vars(module).values())

@@ -257,7 +257,9 @@ def test_a_rolling_deploy_from_v1_to_v2(fleet: Fleet) -> None:
         tokens = {h["crawl_leader_token"] for h in fleet.messages() if h["crawl_entry"] == entry}
         assert {token, got[1]} <= tokens, tokens  # the slots checked span the deploy
     # Each publish is logged at INFO: entry, slot in the entry's zone and in UTC, id, token.
-    line = re.search(r"beat: published new slot (\S+ \S+) CST \((\S+)Z UTC\) as (\S+), "
-                     r"token (\d+)", b2.log())
+    line = re.search(r"beat: published new slot (\S+Z) = (\S+ \S+) CST in Asia/Shanghai as "
+                     r"(\S+), token (\d+)", b2.log())
     assert line, b2.log()[-3000:]
+    slot = parse_slot(line.group(1))
+    assert line.group(2) == f"{slot + timedelta(hours=8):%Y-%m-%d %H:%M:%S}"
     assert int(line.group(4)) == got[1]
