@@ -3,7 +3,9 @@
 Self-contained (the test copies this file into a project directory of its own, to start the
 beat from several working directories). Configured from the environment:
 
-* ``CRAWL_F_BROKER`` / ``CRAWL_F_LEASE`` / ``CRAWL_F_NS`` — broker, lease store, namespace;
+* ``CRAWL_F_BROKER`` / ``CRAWL_F_STORE`` / ``CRAWL_F_NS`` — broker, the Redis of the result
+  backend (``crawlredis://``, which is also the lease store, as in the README's own-app path),
+  namespace;
 * ``CRAWL_F_PATHS`` — ``crawl_schedule_paths`` (``os.pathsep`` separated), default
   ``schedules/*.toml`` (relative: resolved against this module's import root);
 * ``CRAWL_F_EXTRA`` — also define a ``beat_schedule`` entry ``extra`` (another schedule);
@@ -19,6 +21,7 @@ import os
 
 from celery import Celery
 
+import celery_crawl
 from celery_crawl.schedules import TzCron
 
 _env = os.environ.get
@@ -31,7 +34,7 @@ app.conf.update(
     accept_content=["json"],
     task_ignore_result=True,
     task_default_queue=f"q-{_env('CRAWL_F_NS', 'fleettest')}",
-    crawl_lease_url=_env("CRAWL_F_LEASE"),
+    result_backend="crawl" + _env("CRAWL_F_STORE", "redis://127.0.0.1:6379/0"),
     crawl_namespace=_env("CRAWL_F_NS", "fleettest"),
     crawl_beat_lease_ttl=3.0,
     crawl_store_timeout=1.0,
@@ -41,3 +44,4 @@ app.conf.update(
     beat_schedule=({"extra": {"task": "fleet.record", "schedule": TzCron("0 3 * * *", "UTC")}}
                    if _env("CRAWL_F_EXTRA") else {}),
 )
+celery_crawl.install(app)

@@ -1,8 +1,10 @@
 """Beat replicas that disagree about the schedule, with real ``celery beat`` processes.
 
-One project directory holds the app (a copy of ``fleetapp.py``) and its schedule files; replicas
-are started from other working directories. No worker runs: the published messages are read
-from the broker's queue, so every (entry, slot) published is seen, duplicates included.
+One project directory holds the app (a copy of ``fleetapp.py``: the README's own-app path,
+``install(app)`` with a ``crawlredis://`` result backend as the lease store and a TOML schedule
+file) and its schedule files; replicas are started from other working directories. No worker
+runs: the published messages are read from the broker's queue, so every (entry, slot) published
+is seen, duplicates included.
 
 * Two replicas started from two directories read the same files (relative paths resolve
   against the app's import root), show the same schedule fingerprint, and the fleet records it.
@@ -73,7 +75,7 @@ class Fleet:
         self.project.mkdir()
         shutil.copy(ROOT / "tests" / "system" / "fleetapp.py", self.project / "fleetproj.py")
         self.broker = broker
-        self.env = {"CRAWL_F_BROKER": broker.url_db(0), "CRAWL_F_LEASE": store.url,
+        self.env = {"CRAWL_F_BROKER": broker.url_db(0), "CRAWL_F_STORE": store.url,
                     "CRAWL_F_NS": self.ns, "PYTHONPATH": str(self.project)}
         self.store = open_store(store.url, namespace=self.ns, timeout_s=2.0)
         self.beats: list[Proc] = []
@@ -82,8 +84,9 @@ class Fleet:
     def beat(self, cwd: Path, **env: str) -> Proc:
         cwd.mkdir(parents=True, exist_ok=True)
         n = len(self.beats) + 1
-        proc = Proc(celery_args("fleetproj", "beat", "-S", "celery_crawl.beat:LeasedScheduler",
-                                "-l", "INFO", "-s", str(self.tmp / f"unused-{n}")),
+        # As the README's own-app path runs it: install(app) chose the scheduler.
+        proc = Proc(celery_args("fleetproj", "beat", "-l", "INFO",
+                                "-s", str(self.tmp / f"unused-{n}")),
                     env={**self.env, **env}, cwd=cwd, log_path=self.tmp / f"beat-{n}.log")
         self.beats.append(proc)
         return proc
