@@ -30,6 +30,7 @@ from datetime import datetime
 from typing import Any
 
 from .. import keys
+from ..clock import monotonic
 from ..errors import StoreDataError, StoreError
 from ..leases.base import Lease, LeaseStore
 from .state import format_slot, parse_slot
@@ -40,6 +41,9 @@ log = logging.getLogger("celery_crawl.beat")
 
 #: Values of ``crawl_beat_schedule_mismatch``.
 MODES = ("refuse", "warn")
+#: The presence records are read (a ``SCAN``: O(keys in the database)) at most once per this many
+#: times the last read took, so a standby that waits never loads a crowded store.
+_SCAN_SPACING = 10.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,6 +106,8 @@ class FleetSchedule:
         self.now = now
         #: the fleet's record as last read or written (None: none yet)
         self.fleet: dict[str, Any] | None = None
+        self._others: list[Replica] = []
+        self._next_scan = 0.0
 
     @property
     def fingerprint(self) -> str | None:
@@ -117,11 +123,15 @@ class FleetSchedule:
         self.fleet = record if isinstance(record, dict) and record.get("fingerprint") else None
         return self.fleet
 
-    def others(self) -> list[Replica]:
-        """The other replicas seen alive (presence written within ``alive_s``)."""
+    def others(self, *, between: Callable[[], None] | None = None) -> list[Replica]:
+        """The other replicas seen alive (presence written within ``alive_s``); ``between``
+        runs between the pages of the scan (the leader renews there)."""
+        started = monotonic()
+        records = self.store.scan(keys.beat_presence(""), between=between)
+        self._next_scan = monotonic() + _SCAN_SPACING * (monotonic() - started)
         now = self.now()
         out = []
-        for rec in self.store.scan(keys.beat_presence("")).values():
+        for rec in records.values():
             if not isinstance(rec, dict) or rec.get("id") == self.replica_id:
                 continue
             try:
@@ -135,18 +145,20 @@ class FleetSchedule:
                                _int(rec.get("entries"))))
         return out
 
-    def check(self, fingerprint: str, entries: int) -> str | None:
-        """Read the store and :func:`judge` this replica; a store error keeps the last read
-        (the caller's other guards and the lease decide meanwhile)."""
+    def check(self, fingerprint: str, entries: int, *, fresh: bool = False,
+              between: Callable[[], None] | None = None) -> str | None:
+        """Read the store and :func:`judge` this replica. The presence records are read only
+        when the verdict depends on them, and (unless ``fresh``) not more often than a crowded
+        store allows; a store error keeps the last reading."""
         fleet = self.read()
-        if fleet is not None and fleet.get("fingerprint") == fingerprint and entries > 0:
+        if entries > 0 and (fleet is None or fleet.get("fingerprint") == fingerprint):
             return None  # the common case costs one read
-        try:
-            others = self.others()
-        except StoreError as exc:
-            log.debug("beat: cannot read the replicas' presence: %s", exc)
-            return None
-        return judge(fingerprint, entries, fleet, others)
+        if fresh or monotonic() >= self._next_scan:
+            try:
+                self._others = self.others(between=between)
+            except StoreError as exc:
+                log.debug("beat: cannot read the replicas' presence: %s", exc)
+        return judge(fingerprint, entries, fleet, self._others)
 
     def adopt(self, lease: Lease, fingerprint: str, entries: int) -> bool:
         """Record ``fingerprint`` as the fleet's schedule (with the leader lease); returns

@@ -292,6 +292,11 @@ class LeasedScheduler(Scheduler):
         fleet_fp = self._fleet.fingerprint
         metrics.BEAT_SCHEDULE_MISMATCH.set(
             1 if fleet_fp is not None and fleet_fp != self.schedule_fingerprint else 0)
+        if reason is None and self.election.is_leader and self.entries:
+            # Nobody holds the fleet's schedule any more: the term adopts its own now (and
+            # collects what it dropped), as a new term would.
+            self._repromote()
+            return
         if self.config.beat_schedule_mismatch == "refuse":
             text = (None if reason is None else
                     f"refusing to lead: {reason} (crawl_beat_schedule_mismatch=refuse)")
@@ -319,7 +324,8 @@ class LeasedScheduler(Scheduler):
             reason = (None if n or not fleet or not fleet.get("entries")
                       else "the reloaded schedule is empty")
         else:
-            reason = self._fleet.check(fp, n)
+            assert self._term is not None
+            reason = self._fleet.check(fp, n, fresh=True, between=self._term.keep_alive)
         if reason is None and n == 0 and self._fleet.fleet is None:
             reason = "an empty schedule is not recorded as the fleet's"
         if reason is not None:
@@ -465,13 +471,21 @@ class LeasedScheduler(Scheduler):
         if changed and not force:
             log.warning("beat: schedule reloaded: %d entries, %d changed", len(self.entries),
                         len(changed))
-            if self.election.is_leader and self._book is not None:
-                self._book.flush()
-                try:
-                    self._promote(reloaded=True)
-                except (StoreError, LeaseError, FencedError) as exc:
-                    assert self._term is not None
-                    self._term.demote(f"reload failed: {exc}", release=True)
+            if self.election.is_leader:
+                self._repromote(reloaded=True)
+
+    def _repromote(self, *, reloaded: bool = False) -> None:
+        """Load the term again (a reloaded schedule, or one to adopt now); a store or lease
+        failure ends the term."""
+        if self._book is None:
+            return
+        self._book.flush()
+        try:
+            self._promote(reloaded=reloaded)
+        except (StoreError, LeaseError, FencedError) as exc:
+            assert self._term is not None
+            self._term.demote(f"{'reload' if reloaded else 'adoption'} failed: {exc}",
+                              release=True)
 
     def _sleep_s(self) -> float:
         now_m = monotonic()
