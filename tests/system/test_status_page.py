@@ -136,11 +136,16 @@ def test_json_and_cli_show_the_same_fleet(fleet: Fleet) -> None:
         assert _comparable(page) == _comparable(cli), who
         assert page["skipped"]["paused"] >= 1
         assert SECRET not in json.dumps(page)
-    beat = httpx.get(fleet.url("beat", "/status.json"), timeout=10).json()["process"]
+    beat_view = httpx.get(fleet.url("beat", "/status.json"), timeout=10).json()
+    beat = beat_view["process"]
     assert beat["kind"] == "beat" and beat["role"] == "leader"
+    # Lease time left has one name everywhere (the metric adds Prometheus' unit suffix).
+    assert beat_view["leader"]["lease_time_left_s"] > 0 and beat["lease_time_left_s"] > 0
+    assert beat["schedule"] == beat_view["schedule"]["fingerprint"] and beat["entries"] == 2
     assert (beat["id"], beat["token"]) == _cli_leader(cli_text)
     worker = httpx.get(fleet.url("worker", "/status.json"), timeout=10).json()["process"]
     assert worker["kind"] == "worker" and worker["holder"] and worker["token"]
+    assert worker["lease_time_left_s"] > 0 and "time_left_s" not in worker
     assert worker["claims"] >= 0 and worker["reaper_recovered"] == 0
 
 
