@@ -138,6 +138,7 @@ def start_at_zero(role: str) -> None:
     for cause in ("timeout", "lease_lost", "refused"):
         LEASE_RENEWAL_FAILURES.labels(role, cause)
     LEASE_TIME_LEFT.labels(role)
+    LEASE_HOLD_DEVIATION.labels(role)  # count 0: no loss yet (the last-loss gauge waits for one)
     for metric, values in _KNOWN_LABELS.get(role, ()):
         for value in values:
             metric.labels(value)
