@@ -666,6 +666,10 @@ class ClaimStep(bootsteps.StartStopStep):
                                 held.task_name, held.task_id,
                                 "retry" if held.generation[0] == 0 else "replacement",
                                 _on_worker(decision.holder, self.keeper))
+                elif decision.holder is None:
+                    logger.warning("celery-crawl: %s[%s] is a duplicate delivery whose run's "
+                                   "claim ended while being read; parked (not run, not acked) "
+                                   "and looked at again shortly", held.task_name, held.task_id)
                 else:
                     logger.warning("celery-crawl: %s[%s] is a duplicate delivery: its run "
                                    "holds a live claim%s; parked (not run, not acked) until "
@@ -1212,7 +1216,7 @@ def _jsonable(value: Any) -> Any:
 def _on_worker(holder: str | None, keeper: Any) -> str:
     """`` on worker X`` for the log: this worker, another one, or unknown (ended meanwhile)."""
     if holder is None:
-        return " (its claim ended while being read; looked at again shortly)"
+        return " (that run's claim ended while being read; looked at again shortly)"
     if keeper is not None and holder == keeper.holder:
         return " on this worker"
     return f" on worker {holder}"

@@ -35,8 +35,9 @@ def _park_then_run(step: ClaimStep, held: Held, holder: str | None) -> None:
 
 @pytest.mark.parametrize(("generation", "holder", "kind", "words"), [
     ((0, 1), OWN, "waiting", "is a retry waiting for its previous run to end on this worker"),
-    ((1, 0), None, "waiting", "is a replacement waiting for its previous run to end (its claim "
-                              "ended while being read"),
+    ((1, 0), None, "waiting", "is a replacement waiting for its previous run to end (that "
+                              "run's claim ended while being read"),
+    ((0, 0), None, "parked", "is a duplicate delivery whose run's claim ended while being read"),
     ((0, 0), OTHER, "parked", f"is a duplicate delivery: its run holds a live claim on worker "
                               f"{OTHER}"),
     ((0, 2), OTHER, "parked", "is a duplicate delivery"),
