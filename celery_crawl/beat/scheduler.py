@@ -301,6 +301,10 @@ class LeasedScheduler(Scheduler):
             text = (None if reason is None else
                     f"refusing to lead: {reason} (crawl_beat_schedule_mismatch=refuse)")
             if text != self._guards.schedule_reason:
+                if text is None:
+                    log.warning("beat replica %s: its schedule %s may lead now (no live replica "
+                                "holds the fleet's %s any more)", self.replica_id,
+                                self.schedule_fingerprint, fleet_fp)
                 self._guards.schedule_reason = text
                 self._guards.apply()
             return
