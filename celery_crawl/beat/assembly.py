@@ -19,13 +19,13 @@ The beat, ``crawl status``, ``crawl next`` and ``crawl schedules check`` all cal
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..config import DEFAULTS, schedule_sources
 from ..errors import ConfigError, CrawlError, ScheduleFileError
 from ..schedules import EntrySpec, check_duplicates_with_beat_schedule, load_schedule_files
+from ..schedules.root import schedule_base
 from .entries import BeatEntry, from_beat_schedule, from_spec
 
 __all__ = ["AppSchedule", "assemble"]
@@ -98,7 +98,8 @@ def assemble(app: Any, *, paths: Sequence[str] | None = None, base_dir: str | No
              previous: Mapping[str, BeatEntry] | None = None,
              rows: Any = None) -> AppSchedule:
     """The app's schedule: ``beat_schedule`` plus the files of ``paths`` (default: the app's
-    ``crawl_schedule_paths``) relative to ``base_dir`` (default: the working directory).
+    ``crawl_schedule_paths``) relative to ``base_dir`` (default: the app's project root,
+    :func:`~celery_crawl.schedules.root.schedule_base`, whatever the working directory).
 
     ``previous`` is the last assembly's entries (the beat's reload); without it a broken file
     contributes nothing. ``rows`` is the beat's django-celery-beat source (its last good rows);
@@ -125,7 +126,7 @@ def assemble(app: Any, *, paths: Sequence[str] | None = None, base_dir: str | No
             out.file_errors.append(bad)
     if "files" not in names:
         paths = []
-    loaded = load_schedule_files(list(paths), base_dir=base_dir or os.getcwd())
+    loaded = load_schedule_files(list(paths), base_dir=base_dir or schedule_base(app).path)
     out.specs, out.sources, out.files = loaded.entries, loaded.sources, loaded.files
     out.file_errors += loaded.errors
     out.broken = {str(err.file or "") for err in loaded.errors}

@@ -32,7 +32,7 @@ from ..schedules.policies import (
 from .crontab_slots import CrontabSlots
 
 __all__ = ["OVERLAP_POLICIES", "BeatEntry", "CelerySlotSource", "from_beat_schedule",
-           "from_spec"]
+           "from_spec", "zone_name", "zoned"]
 
 _CRAWL_OPTION_KEYS = ("crawl_overlap", "crawl_catchup", "crawl_catchup_window",
                       "crawl_catchup_max")
@@ -211,3 +211,18 @@ def from_spec(spec: Any) -> BeatEntry:
                      paused=bool(spec.paused), fingerprint=str(spec.fingerprint()),
                      origin=str(getattr(spec, "source", "") or "schedule file"),
                      expires_s=expires_s)
+
+
+def zone_name(entry: BeatEntry) -> str:
+    """The IANA zone the entry's cron is written in (``UTC`` for Celery's own schedules)."""
+    name = getattr(entry.source, "zone_name", None)
+    return str(name) if isinstance(name, str) and name else "UTC"
+
+
+def zoned(entry: BeatEntry, slot: datetime) -> str:
+    """``slot`` as wall time in the entry's zone, e.g. ``2026-03-08 02:15:00 CST``: an
+    operator reads a cron written for Shanghai in Shanghai time, beside the UTC slot."""
+    zone = getattr(entry.source, "tz", None)
+    local = slot.astimezone(zone) if zone is not None and zone_name(entry) != "UTC" else \
+        slot.astimezone(UTC)
+    return f"{local:%Y-%m-%d %H:%M:%S} {local.tzname() or zone_name(entry)}"

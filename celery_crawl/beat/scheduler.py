@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -34,12 +35,15 @@ from ..config import CrawlConfig, plain_redis_url
 from ..errors import ConfigError, CrawlError, FencedError, LeaseError, StoreError
 from ..leases import make_holder, store_for
 from ..leases.base import Characteristic
+from ..schedules.fingerprint import schedule_fingerprint
+from ..schedules.root import schedule_base
 from .assembly import assemble
 from .book import StateBook
 from .commands import CommandQueue
 from .dispatch import Dispatcher
 from .election import Election
-from .entries import BeatEntry
+from .entries import BeatEntry, zone_name, zoned
+from .fleet import FleetSchedule
 from .guards import Guards
 from .publish import Publisher
 from .reload import FileWatch, changed_names
@@ -59,6 +63,14 @@ COMMAND_POLL_S = 0.5
 RELOAD_POLL_S = 1.0
 #: How often the leader runs the delivery check (``crawl_beat_verify_delivery``).
 VERIFY_POLL_S = 1.0
+#: How often a standby compares its schedule with the fleet's (see :mod:`.fleet`).
+FLEET_POLL_S = 1.0
+#: A standing schedule mismatch is logged again this often (``warn`` mode).
+_MISMATCH_LOG_S = 60.0
+
+#: The replica id the banner showed, per app: Celery builds the banner from a lazy scheduler
+#: made just before the real one, which takes this id over so the banner names it truly.
+_banner_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 class LeasedScheduler(Scheduler):
@@ -73,9 +85,16 @@ class LeasedScheduler(Scheduler):
         self.config = CrawlConfig.from_app(app)
         #: the local wall clock (``time.time``; tests pass one they can set)
         self._wall_clock = wall_clock or time.time
-        self.replica_id = make_holder()
+        self.replica_id = self._replica_id(app, lazy=bool(kwargs.get("lazy")))
         self.election = Election(self.config.beat_lease_ttl_s, clock=monotonic)
         self.entries: dict[str, BeatEntry] = {}
+        #: fingerprint of the whole schedule (``schedule_fingerprint`` of the entries)
+        self.schedule_fingerprint = schedule_fingerprint({})
+        self._fleet: FleetSchedule | None = None
+        #: whether this term's schedule is the fleet's (adopted): only then is state collected
+        self._adopted = False
+        self._next_fleet = 0.0
+        self._last_mismatch_log = -_MISMATCH_LOG_S
         self._files_ok = True
         self._watch = FileWatch(self.config.schedule_paths)
         #: django-celery-beat's rows (``crawl_schedule_sources``), read when their marker moves
@@ -96,6 +115,13 @@ class LeasedScheduler(Scheduler):
         self._closed = False
         self._started = format_slot(datetime.fromtimestamp(int(self._wall_clock()), UTC))
         super().__init__(app, *args, **kwargs)
+
+    @staticmethod
+    def _replica_id(app: Any, *, lazy: bool) -> str:
+        if lazy:
+            replica_id = _banner_ids[app] = make_holder()
+            return replica_id
+        return _banner_ids.pop(app, None) or make_holder()
 
     @property
     def states(self) -> dict[str, EntryState]:
@@ -127,11 +153,18 @@ class LeasedScheduler(Scheduler):
         self._commands = CommandQueue(store, self.election, self._book,
                                       entries=lambda: self.entries, now=self._now,
                                       renew=term.renew, publish=self._publish)
+        self._fleet = FleetSchedule(store, replica_id=self.replica_id,
+                                    alive_s=self.config.beat_lease_ttl_s, now=self._now)
+        metrics.start_at_zero("beat")
         self._guards.check_store()
         self._setup_verify()
         self._reload(force=True)
-        log.info("beat replica %s standing by (lease %s, ttl %.1fs, %d entries)",
-                 self.replica_id, store.url, self.config.beat_lease_ttl_s, len(self.entries))
+        log.info("beat: schedule paths %s resolve against %s",
+                 ", ".join(self.config.schedule_paths) or "(none)",
+                 schedule_base(self.app).describe())
+        log.info("beat replica %s standing by (lease %s, ttl %.1fs, %d entries, schedule %s)",
+                 self.replica_id, store.url, self.config.beat_lease_ttl_s, len(self.entries),
+                 self.schedule_fingerprint)
 
     def _setup_verify(self) -> None:
         after = self.config.beat_verify_delivery_s
@@ -171,6 +204,9 @@ class LeasedScheduler(Scheduler):
         self._guards.check_step()
         now_m = monotonic()
         self._guards.poll(now_m)
+        if now_m >= self._next_fleet:
+            self._next_fleet = now_m + FLEET_POLL_S
+            self._check_fleet()
         # A set clock blocks promotion: it would start fresh entries on the wrong time.
         self._term.step(now_m, may_acquire=not self._guards.stepped)
         if self.election.is_leader and not self._guards.stepped:
@@ -251,15 +287,82 @@ class LeasedScheduler(Scheduler):
             "token": self.election.lease.token if self.election.lease else None,
             "clock_offset_s": None if offset is None else round(-offset, 6),
             "blocked": self.election.blocked_reason, "entries": len(self.entries),
+            "schedule": self.schedule_fingerprint,
             "started": self._started, "last_seen": format_slot(self._now()),
         }
 
-    def _promote(self) -> None:
+    def _check_fleet(self) -> None:
+        """A standby compares its schedule with the fleet's: a mismatch blocks it from leading
+        (``refuse``: a leader that had not adopted its schedule steps down) or is logged
+        (``warn``); see :mod:`.fleet`."""
+        assert self._fleet is not None and self._guards is not None
+        if self.election.is_leader and self._adopted:
+            metrics.BEAT_SCHEDULE_MISMATCH.set(0)
+            return
+        # A standby, or a leader running a schedule it did not adopt (an empty one that led
+        # before any other replica was up): the latter steps down once the rule says so.
+        reason = self._fleet.check(self.schedule_fingerprint, len(self.entries))
+        fleet_fp = self._fleet.fingerprint
+        metrics.BEAT_SCHEDULE_MISMATCH.set(
+            1 if fleet_fp is not None and fleet_fp != self.schedule_fingerprint else 0)
+        if reason is None and self.election.is_leader and self.entries:
+            # Nobody holds the fleet's schedule any more: the term adopts its own now (and
+            # collects what it dropped), as a new term would.
+            self._repromote()
+            return
+        if self.config.beat_schedule_mismatch == "refuse":
+            text = (None if reason is None else
+                    f"refusing to lead: {reason} (crawl_beat_schedule_mismatch=refuse)")
+            if text != self._guards.schedule_reason:
+                if text is None:
+                    log.warning("beat replica %s: its schedule %s may lead now (no live replica "
+                                "holds the fleet's %s any more)", self.replica_id,
+                                self.schedule_fingerprint, fleet_fp)
+                self._guards.schedule_reason = text
+                self._guards.apply()
+            return
+        now_m = monotonic()
+        if reason is not None and now_m - self._last_mismatch_log >= _MISMATCH_LOG_S:
+            self._last_mismatch_log = now_m
+            log.warning("beat replica %s may lead although %s (crawl_beat_schedule_mismatch=warn:"
+                        " it would run its own schedule without adopting it)",
+                        self.replica_id, reason)
+
+    def _adopt(self, *, reloaded: bool) -> bool:
+        """Whether this term runs the fleet's schedule: adopted when it matches, when no live
+        replica holds the fleet's any more, or when the leader reloaded its own files (an
+        empty schedule is never adopted over one with entries). Records it in the store."""
+        assert self._fleet is not None
+        lease = self.election.lease
+        assert lease is not None
+        fp, n = self.schedule_fingerprint, len(self.entries)
+        if reloaded:
+            fleet = self._fleet.fleet
+            reason = (None if n or not fleet or not fleet.get("entries")
+                      else "the reloaded schedule is empty")
+        else:
+            assert self._term is not None
+            reason = self._fleet.check(fp, n, fresh=True, between=self._term.keep_alive)
+        if reason is None and n == 0 and self._fleet.fleet is None:
+            reason = "an empty schedule is not recorded as the fleet's"
+        if reason is not None:
+            log.warning("beat replica %s leads without adopting its schedule %s as the "
+                        "fleet's (stored state of entries it lacks is kept): %s",
+                        self.replica_id, fp, reason)
+            return False
+        self._fleet.adopt(lease, fp, n)
+        return True
+
+    def _promote(self, *, reloaded: bool = False) -> None:
         """Load every entry's durable state and fill the due heap (see ``StateBook.load``)."""
         assert self._book is not None and self._dispatch is not None and self._term is not None
         self._dispatch.clear()
         self._dispatch.entries = self.entries
-        fresh = self._book.load(self.entries, self._now(), collect_garbage=self._files_ok,
+        self._adopted = self._adopt(reloaded=reloaded)
+        metrics.BEAT_SCHEDULE_MISMATCH.set(0 if self._adopted else 1)
+        # Stored state of an entry goes only when the fleet's schedule dropped the entry.
+        fresh = self._book.load(self.entries, self._now(),
+                                collect_garbage=self._files_ok and self._adopted,
                                 keep_alive=self._term.keep_alive)
         self._dispatch.schedule_all(self._term.keep_alive)
         log.info("beat: leading %d entries (%d fresh), next run %s", len(self._book.states),
@@ -370,6 +473,9 @@ class LeasedScheduler(Scheduler):
             st.last_slot = slot
         metrics.BEAT_DISPATCHED.inc()
         metrics.BEAT_DISPATCH_LAG.observe(max(0.0, time.time() - slot.timestamp()))
+        log.info("beat: published %s slot %s = %s in %s as %s, token %d%s", entry.name,
+                 format_slot(slot), zoned(entry, slot), zone_name(entry), task_id, lease.token,
+                 " (manual)" if manual else "")
         return task_id
 
     # -- schedule ------------------------------------------------------------------------------
@@ -379,8 +485,9 @@ class LeasedScheduler(Scheduler):
         files_changed = self._watch.changed(force=force)
         if not self._poll_rows() and not files_changed:
             return
-        schedule = assemble(self.app, paths=self.config.schedule_paths, base_dir=os.getcwd(),
-                            previous=self.entries, rows=self._rows)
+        schedule = assemble(self.app, paths=self.config.schedule_paths,
+                            base_dir=str(schedule_base(self.app).path), previous=self.entries,
+                            rows=self._rows)
         for name, exc in schedule.beat_schedule_errors.items():
             log.error("beat: skipping beat_schedule entry %r: %s", name, exc)
         for err in schedule.file_errors:
@@ -395,19 +502,30 @@ class LeasedScheduler(Scheduler):
                 log.error("beat: %s", line)
         changed = changed_names(self.entries, schedule.entries)
         self.entries, self._files_ok = schedule.entries, schedule.files_ok
+        self.schedule_fingerprint = schedule_fingerprint(
+            {name: entry.fingerprint for name, entry in self.entries.items()})
+        metrics.set_schedule(self.schedule_fingerprint, len(self.entries))
         if self._dispatch is not None:
             self._dispatch.entries = self.entries
         self._publisher.forget({n for n in changed if n not in self.entries})
         if changed and not force:
             log.warning("beat: schedule reloaded: %d entries, %d changed", len(self.entries),
                         len(changed))
-            if self.election.is_leader and self._book is not None:
-                self._book.flush()
-                try:
-                    self._promote()
-                except (StoreError, LeaseError, FencedError) as exc:
-                    assert self._term is not None
-                    self._term.demote(f"reload failed: {exc}", release=True)
+            if self.election.is_leader:
+                self._repromote(reloaded=True)
+
+    def _repromote(self, *, reloaded: bool = False) -> None:
+        """Load the term again (a reloaded schedule, or one to adopt now); a store or lease
+        failure ends the term."""
+        if self._book is None:
+            return
+        self._book.flush()
+        try:
+            self._promote(reloaded=reloaded)
+        except (StoreError, LeaseError, FencedError) as exc:
+            assert self._term is not None
+            self._term.demote(f"{'reload' if reloaded else 'adoption'} failed: {exc}",
+                              release=True)
 
     def _poll_rows(self) -> bool:
         """Whether django-celery-beat's rows changed; a failing database keeps the last good

@@ -629,6 +629,12 @@ class ClaimStep(bootsteps.StartStopStep):
             return self._decision_for(held, presume_fresh=False, own_claim_dropped=True)
         return decision, getattr(self._decided, "lease", None)
 
+    def _waits_for_own_run(self, held: Held, holder: str | None) -> bool:
+        """A retry or replacement (a later generation of the message) parked behind a claim
+        of this worker, or one that ended while being read: it waits for its own run."""
+        own = holder is None or (self.keeper is not None and holder == self.keeper.holder)
+        return own and held.generation != (0, 0)
+
     def _decide(self, held: Held) -> None:
         first = not held.parked
         decision, claimed_under = self._decision_for(held)
@@ -655,25 +661,36 @@ class ClaimStep(bootsteps.StartStopStep):
             held.deliveries = decision.deliveries
             self.book.add(held)
             if first:
-                metrics.WORKER_DUPLICATES_PARKED.labels("parked").inc()
-                own = self.keeper is not None and decision.holder == self.keeper.holder
-                # Our own claim: a retry or replacement received while the run that published
-                # it is still ending here (Celery's normal course, not a fault worth a warning).
-                logger.log(logging.INFO if own else logging.WARNING,
-                           "celery-crawl: %s[%s] is claimed by live worker %s%s; parked "
-                           "(not run, not acked) until that claim ends",
-                           held.task_name, held.task_id, decision.holder,
-                           " (this worker)" if own else "")
+                waiting = self._waits_for_own_run(held, decision.holder)
+                metrics.WORKER_DUPLICATES_PARKED.labels("waiting" if waiting else "parked").inc()
+                if waiting:
+                    # A retry or replacement received while the run that published it is
+                    # still ending (Celery's normal course, not a fault worth a warning).
+                    logger.info("celery-crawl: %s[%s] is a %s waiting for its previous run "
+                                "to end%s; parked (not run, not acked) until then",
+                                held.task_name, held.task_id,
+                                "retry" if held.generation[0] == 0 else "replacement",
+                                _on_worker(decision.holder, self.keeper))
+                elif decision.holder is None:
+                    logger.warning("celery-crawl: %s[%s] is a duplicate delivery whose run's "
+                                   "claim ended while being read; parked (not run, not acked) "
+                                   "and looked at again shortly", held.task_name, held.task_id)
+                else:
+                    logger.warning("celery-crawl: %s[%s] is a duplicate delivery: its run "
+                                   "holds a live claim%s; parked (not run, not acked) until "
+                                   "that claim ends", held.task_name, held.task_id,
+                                   _on_worker(decision.holder, self.keeper))
         else:
             # ``claimed_under``: the lease the claim was made under (the keeper may hold a newer
             # one by now).
+            waited = not first and self._waits_for_own_run(held, held.holder)
             held.parked = False
             held.token = decision.token
             held.deliveries = decision.deliveries
             held.lease_name = claimed_under.name if claimed_under else None
             held.holder = claimed_under.holder if claimed_under else None
             self.book.add(held)
-            if not first:
+            if not first and not waited:
                 metrics.WORKER_DUPLICATES_PARKED.labels("run").inc()
             if outcome is Outcome.POISON:
                 self._poison(held)
@@ -1200,3 +1217,11 @@ def _digest_of(message: Any) -> str:
 def _jsonable(value: Any) -> Any:
     return value if isinstance(value, int | str | float) or value is None else str(value)
 
+
+def _on_worker(holder: str | None, keeper: Any) -> str:
+    """`` on worker X`` for the log: this worker, another one, or unknown (ended meanwhile)."""
+    if holder is None:
+        return " (that run's claim ended while being read; looked at again shortly)"
+    if keeper is not None and holder == keeper.holder:
+        return " on this worker"
+    return f" on worker {holder}"

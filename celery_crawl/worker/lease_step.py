@@ -89,6 +89,7 @@ class LeaseStep(bootsteps.StartStopStep):
         claims.bind_lease(self.store, self.keeper)
         self.keeper.start()
         status.install(self.app, lambda: status.worker_process(self))
+        metrics.start_at_zero("worker")
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_addr)
         self._warn_acks_early()
         signals.worker_shutdown.connect(self._on_worker_shutdown, weak=False)

@@ -61,6 +61,7 @@ BAD: list[tuple[str, Any]] = [
     ("crawl_schedule_sources", ["files", "django"]),
     ("crawl_schedule_sources", ["files", "files"]),
     ("crawl_schedule_sources", 3),
+    ("crawl_beat_schedule_mismatch", "ignore"),
 ]
 
 
