@@ -7,13 +7,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINORS="5.4 5.5 5.6"
-# Unit tests, then the system tests that touch what differs between Celery versions: the canvas
+# Unit tests, the integration tests of what rides kombu's and redis-py's internals (the audited
+# backend's scripts, claims riding kombu's round trips, the claim line, the lease store's
+# batches), then the system tests that touch what differs between Celery versions: the canvas
 # suite (replace, chain, chord, group, retry, errbacks; failure recording: .get() raises, link_error
 # runs once, a chain through a failure fails) and the chord unlock, each beside stock Celery of the
 # same version in the same module; kill -9 recovery (stock's stuck task beside it); one beat
 # failover.
 TESTS=(
   tests/unit
+  tests/integration/test_backend_audited.py
+  tests/integration/test_worker_riding.py
+  tests/integration/test_worker_claim_line.py
+  tests/integration/test_lease_batches.py
   tests/system/test_canvas.py
   tests/system/test_chord_unlock.py
   "tests/system/test_worker_recovery.py::test_kill9_mid_task_runs_elsewhere_exactly_once"
