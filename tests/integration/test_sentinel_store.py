@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_crawl import keys
+from celery_crawl import keys, metrics
 from celery_crawl.errors import ConfigError, StoreError
 from celery_crawl.leases import Lease, open_store
 from celery_crawl.leases._sentinel import SentinelLink, parse_sentinel_url
@@ -160,6 +160,8 @@ def test_demoted_master_readonly_moves_the_call(sentinels: SentinelSet) -> None:
     store = _store(sentinels)
     assert store.sentinel_link is not None
     store.sentinel_link.recheck_s = 3600  # only the READONLY reply can move this store
+    metrics.watch_master_changes(store)
+    counted = metrics.STORE_MASTER_CHANGES._value.get()
     try:
         lease = store.acquire(keys.BEAT_LEADER, TTL_S, "beat-b")
         assert lease is not None
@@ -172,6 +174,7 @@ def test_demoted_master_readonly_moves_the_call(sentinels: SentinelSet) -> None:
         lease = store.renew(lease)  # one call: READONLY, then the new master
         assert store.sentinel_link.master == ("127.0.0.1", new)
         assert store.sentinel_link.master_changes == 1
+        assert metrics.STORE_MASTER_CHANGES._value.get() == counted + 1
         assert sentinels.node(new).client().hget(f"{NS}:lease:{keys.BEAT_LEADER}",
                                                  "holder") == b"beat-b"
         store.release(lease)
