@@ -147,12 +147,20 @@ class SentinelSet:
         self.sentinel(0).execute_command("SENTINEL", "FAILOVER", MASTER)
 
     def wait_new_master(self, old_port: int, timeout_s: float = 30.0) -> int:
-        """Until the sentinels name another master than ``old_port``, which answers as one."""
+        """Until every sentinel names the same master, not ``old_port``, which answers as one
+        (a sentinel that has not heard of the switch yet still names the old one)."""
 
         def moved() -> int | None:
-            port = self.master_port()
-            if port == old_port:
+            # ``SENTINEL MASTERS`` (what redis-py's discovery reads): during the failover's
+            # last phase the leading sentinel still reports the old address there.
+            states = [self.sentinel(i).sentinel_master(MASTER)
+                      for i in range(len(self.sentinel_ports))]
+            if any("failover_in_progress" in str(st.get("flags")) for st in states):
                 return None
+            ports = {int(st["port"]) for st in states}
+            if len(ports) != 1 or old_port in ports:
+                return None
+            port = ports.pop()
             role = self.node(port).client().info("replication").get("role")
             return port if role == "master" else None
 
