@@ -102,9 +102,12 @@ class SentinelSet:
         self._sentinels.append(proc)
         wait_until(lambda: self.sentinel(i).ping(), 15, what=f"sentinel on port {port}")
 
-    def wait_settled(self, master_port: int | None = None, timeout_s: float = 30.0) -> int:
+    def wait_settled(self, master_port: int | None = None, timeout_s: float = 30.0,
+                     replicas: int | None = None) -> int:
         """Until every sentinel names the same master (``master_port`` when given), knows the
-        other sentinels and every replica, and every running replica's link to it is up."""
+        other sentinels, and every running replica's link to it is up (``replicas``: at least
+        that many linked replicas is enough: a returning old master is demoted by Sentinel
+        only seconds later)."""
         want_sentinels = len(self.sentinel_ports) - 1
 
         def settled() -> int | None:
@@ -123,7 +126,12 @@ class SentinelSet:
                 return None
             live = [n for n in self.nodes if n.proc is not None and n.port != port]
             info = self.node(port).client().info("replication")
-            if info.get("role") != "master" or int(info.get("connected_slaves", 0)) < len(live):
+            linked = int(info.get("connected_slaves", 0))
+            if info.get("role") != "master":
+                return None
+            if replicas is not None:
+                return port if linked >= replicas else None
+            if linked < len(live):
                 return None
             for n in live:
                 r = n.client().info("replication")

@@ -27,6 +27,7 @@ import redis
 import redis.sentinel
 from celery.backends.redis import SentinelBackend
 
+from .._urls import masked_url as mask_url
 from ..errors import ConfigError
 from ..leases._sentinel import is_sentinel_url, parse_sentinel_url
 from .audited import AuditedRedisBackend
@@ -84,6 +85,12 @@ class AuditedSentinelBackend(AuditedRedisBackend, SentinelBackend):
                     params[key] = spec.data[key]
         self.crawl_master = self._master_name()
         return params
+
+    def as_uri(self, include_password: bool = False) -> str:
+        """The URL as configured, the password masked unless asked for (Celery's own
+        ``SentinelBackend`` splits it at ``;`` and cannot parse the comma-separated form)."""
+        url = str(self.url or "")
+        return url if include_password else mask_url(url)
 
     def _options(self) -> dict[str, Any]:
         return dict(self.app.conf.get("result_backend_transport_options") or {})

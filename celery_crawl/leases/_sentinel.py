@@ -261,25 +261,19 @@ class SentinelLink:
         attempt: ``fn`` connects through them)."""
         deadline = time.monotonic() + self.timeout_s
         self.recheck()
+        told = False
         while True:
             try:
                 return fn()
             except Exception as exc:
                 if not retry(exc) or time.monotonic() + _POLL_S >= deadline:
                     raise
-                log.info("%s: %s; asking the sentinels for the master again", self.url, exc)
-                self._wait_for_master(deadline)
-
-    def _wait_for_master(self, deadline: float) -> None:
-        """Until a sentinel names a master or ``deadline``: polls, a little apart."""
-        while True:
-            try:
-                self._sentinel.discover_master(self.master_name)
-                return
-            except (redis_lib.RedisError, OSError):
-                if time.monotonic() + _POLL_S >= deadline:
-                    return
-                time.sleep(_POLL_S)  # a failover is under way: its end is awaited, bounded
+                if not told:
+                    told = True
+                    log.info("%s; asking the sentinels for the master again", exc)
+                # Until the sentinels agree the master is down they still name it: a pause, so
+                # the bounded wait for the failover is a few questions, not a busy loop.
+                time.sleep(_POLL_S)
 
     def close(self) -> None:
         """Close the master's and the sentinels' connections."""

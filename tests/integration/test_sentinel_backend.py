@@ -46,6 +46,7 @@ def test_both_url_forms_select_the_audited_sentinel_backend(sentinels: SentinelS
     # The lease store defaults to the backend's master, so token issuance is checked.
     assert CrawlConfig.from_app(ours).lease_url == sentinels.url()
     assert ours.backend.checks_token_issuance
+    assert ours.backend.as_uri() == ours.backend.url  # the worker's banner prints it
     celery_form = make_app("crawlredis+" + sentinels.broker_url(),
                            result_backend_transport_options={"master_name": MASTER},
                            crawl_lease_url=sentinels.url())

@@ -14,6 +14,13 @@ and the process-exit count. Nothing here talks to a server, so the rules are eas
 * **contradiction**: run once *and* recorded as skipped (the run counts; the skip record is
   wrong: reported, not a failure of the run-once claim);
 * **unaccounted**: neither run nor skipped.
+* **lost to a failover**: a duplicate whose first run ended while a Sentinel failover could
+  lose acknowledged writes (``LOSSY_FAULTS``: from the fault until ``LOSS_TAIL_S`` after the
+  sentinels named the new master — the old master keeps accepting writes until it is demoted,
+  and Celery's broker and backend connections stay on it until then): its finish (the done
+  tombstone, the broker's ack) was acknowledged by the old master and never reached the new
+  one, so the run was delivered again. docs/durability.md names this loss; it is counted here,
+  apart from the duplicates, and only a *concurrent* second run would still fail a soak.
 
 Fenced completions (a stale run whose write the claim token refused) are reported, not errors.
 """
@@ -33,6 +40,11 @@ __all__ = ["Fault", "SkipSpan", "Summary", "account", "parse_slot"]
 BEAT_FAULTS = ("beat_kill9", "beat_stop", "beat_term", "beat_skew", "beat_clock_step",
                "leader_partition")
 WORKER_FAULTS = ("worker_kill9", "worker_stop", "worker_partition")
+#: Faults after which Redis's asynchronous replication may lose acknowledged writes.
+LOSSY_FAULTS = ("sentinel_master_kill", "sentinel_failover", "sentinel_master_stop")
+#: How long after the sentinels named the new master a write may still reach the old one:
+#: Sentinel demotes a master that comes back seconds later (10 s info period + 8 s role wait).
+LOSS_TAIL_S = 20.0
 
 
 def parse_slot(text: str | None) -> float | None:
@@ -85,6 +97,7 @@ class Summary:
     run_once: int = 0
     skipped: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     duplicates: list[str] = dataclasses.field(default_factory=list)
+    failover_losses: list[str] = dataclasses.field(default_factory=list)
     concurrent_duplicates: list[str] = dataclasses.field(default_factory=list)
     contradictions: list[str] = dataclasses.field(default_factory=list)
     unaccounted: list[str] = dataclasses.field(default_factory=list)
@@ -131,6 +144,8 @@ class Summary:
             f"  duplicates          {len(self.duplicates)}" + _few(self.duplicates),
             f"    of which concurrent {len(self.concurrent_duplicates)} (a second run started "
             "before the first finished)" + _few(self.concurrent_duplicates),
+            f"  lost to a failover  {len(self.failover_losses)} (run again: the first run's "
+            "finish was acknowledged by the old master only)" + _few(self.failover_losses),
             f"  run, yet recorded skipped {len(self.contradictions)}"
             + _few(self.contradictions),
             f"  unaccounted         {len(self.unaccounted)}" + _few(self.unaccounted),
@@ -219,9 +234,18 @@ def account(
             if len(runs) > 1:
                 text = (f"{label} x{len(runs)} by "
                         + ",".join(f"{r.get('worker')}/t{r.get('claim_token')}" for r in runs))
+                concurrent = _overlapping(runs, start_recs[(entry, slot)])
+                first_end = min(float(r["t"]) for r in runs)
+                if not concurrent and any(
+                        f.kind in LOSSY_FAULTS
+                        and f.t - 1.0 <= first_end <= (f.t_heal or f.t) + LOSS_TAIL_S
+                        for f in faults):
+                    summary.failover_losses.append(text)
+                    counts["lost-to-failover"] += 1
+                    continue
                 summary.duplicates.append(text)
                 counts["duplicate"] += 1
-                if _overlapping(runs, start_recs[(entry, slot)]):
+                if concurrent:
                     summary.concurrent_duplicates.append(text)
             elif runs and reason is not None:
                 summary.contradictions.append(f"{label} ran and skipped ({reason})")
