@@ -360,7 +360,8 @@ class FaultInjector:
                   after: Callable[[], None] | None = None) -> Fault:
         """``begin`` a failover of the current master; the fault heals when every sentinel
         names a new master (``t_heal``: the fleet is measured from there); ``after`` runs
-        then (the old master's return); the next fault waits until a replica is linked."""
+        then (the old master's return); two TTLs later, the next fault may come once a replica
+        is linked."""
         sentinels = self.stack.sentinels
         assert sentinels is not None
         old = sentinels.wait_settled(timeout_s=60, replicas=1)
@@ -372,6 +373,9 @@ class FaultInjector:
         f.note = f"new master {new} after {f.t_heal - f.t:.1f}s"
         if after is not None:
             after()
+        # Two TTLs for the fleet to go on before anything else happens, so what the ledger
+        # measures after this failover is this failover's.
+        self._sleep(2 * self.ttl_s)
         sentinels.wait_settled(timeout_s=60, replicas=1)
         return f
 

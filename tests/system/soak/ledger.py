@@ -110,6 +110,9 @@ class Summary:
     audit_output: str = ""
     failover_gaps: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     recoveries: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    #: Per lossy fault: the longest stretch without a run starting, from the fault until the
+    #: first run that started after the sentinels named the new master.
+    interruptions: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     per_entry: dict[str, collections.Counter[str]] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -159,6 +162,8 @@ class Summary:
             + {True: "clean", False: "DIVERGED", None: "not run"}[self.audit_ok],
             f"  worst failover gap  {worst(self.worst_failover_gap)}",
             f"  worst recovery time {worst(self.worst_recovery)}",
+            *(f"  interruption        {kind}: no run started for {s:.2f}s"
+              for kind, s in self.interruptions),
         ]
         for name, counts in sorted(self.per_entry.items()):
             lines.append(f"    {name:<22} " + " ".join(f"{k}={v}" for k, v in
@@ -332,6 +337,11 @@ def _measure(summary: Summary, starts: Sequence[Mapping[str, Any]],
             nxt = next((r for r in by_time if float(r["t"]) > t0), None)
             if nxt is not None:
                 summary.recoveries.append((f.kind, float(nxt["t"]) - t0))
+                if f.kind in LOSSY_FAULTS:
+                    marks = [f.t, *(float(r["t"]) for r in by_time
+                                    if f.t < float(r["t"]) <= float(nxt["t"]))]
+                    summary.interruptions.append(
+                        (f.kind, max(b - a for a, b in itertools.pairwise(marks))))
 
 
 def _int(value: Any) -> int:
