@@ -13,10 +13,14 @@ The soak's injector runs the Sentinel fault kinds once each, in a seeded order:
     master comes back as a master and is demoted by Sentinel seconds later).
 
 After each, the fleet goes on within one lease TTL of the sentinels naming the new master
-(plus the store timeout and a beat tick); leader tokens never go back (the soak's monitor);
-and the soak's ledger holds: every slot due in the window ran once or is recorded skipped with
-a reason, no slot ran twice at once, nothing is unaccounted. The summary printed gives the
-measured interruption per fault kind (docs/durability.md quotes it).
+(plus the master recheck, the reaper's orphan grace and a beat tick; for (c) plus Sentinel's
+demotion of the returning master, see ``DEMOTION_S``); leader tokens never go back (the soak's
+monitor); and the soak's ledger holds: every slot due in the window ran once or is recorded
+skipped with a reason, no slot ran twice at once, nothing is unaccounted — except what a
+failover's asynchronous replication lost (a run whose finish only the old master acknowledged,
+run again; a run in flight whose redelivery only the old master got), which the ledger counts
+apart ("lost to a failover", docs/durability.md). The summary printed gives the measured
+interruption per fault kind.
 """
 
 from __future__ import annotations
@@ -38,8 +42,18 @@ pytestmark = [pytest.mark.system, pytest.mark.slow]
 #: then the soak's quiet tail of 2 * TTL + 2 s.
 WINDOW_S = 50.0
 TTL_S = 3.0
-#: A beat tick (1 s) and the store timeout (1 s) on top of the TTL.
-SLACK_S = 2.0
+#: On top of the TTL (a lease whose renewals the failover lost is gone one TTL after its last
+#: surviving one): the store's recheck of the master (0.5 s), the reaper's orphan grace before
+#: it hands a dead lease's runs back (store timeout + 0.5 s, stretched by drift) and a beat tick.
+SLACK_S = 4.0
+#: (c) only: a paused master that comes back is still a master until Sentinel demotes it
+#: (its next INFO of the node, then ``SENTINEL_PUBLISH_PERIOD * 4`` of the node reporting the
+#: wrong role: up to about 20 s). kombu's consumer connection of a worker that did not time out
+#: during the pause stays on it until then (docs/durability.md); the lease store does not (it
+#: asks the sentinels again at most every 0.5 s).
+DEMOTION_S = 20.0
+BOUND_S = {"sentinel_master_kill": TTL_S + SLACK_S, "sentinel_failover": TTL_S + SLACK_S,
+           "sentinel_master_stop": TTL_S + SLACK_S + DEMOTION_S}
 
 
 @pytest.mark.timeout(300)
@@ -73,8 +87,8 @@ def test_fleet_goes_on_through_each_kind_of_sentinel_failover(
             ("not every kind injected", set(summary.faults) != set(SENTINEL_FAULT_KINDS)),
             ("a kind without a measured recovery", set(by_kind) != set(SENTINEL_FAULT_KINDS)),
             ("a worker did not say claims do not ride", len(told) < 2),
-            ("the fleet did not go on within a TTL",
-             any(s > TTL_S + SLACK_S for s in by_kind.values())),
+            ("the fleet did not go on within a TTL (+ the demotion, for a paused master)",
+             any(s > BOUND_S[k] for k, s in by_kind.items())),
             ("leader tokens went back or a skewed replica led", bool(violations)),
             ("no slot due or a beat exited", summary.due == 0 or summary.beat_exits != 0),
             ("two runs of a slot at once", bool(summary.concurrent_duplicates)),
@@ -105,17 +119,22 @@ def test_ledger_counts_a_run_repeated_after_a_failover_apart() -> None:
         return {"entry": "e", "slot": iso(i), "worker": worker, "pid": 1, "claim_token": token,
                 "leader_token": 7, "task_id": f"t{i}", "t": base + t}
 
-    far = 3 + LOSS_TAIL_S + 10
-    starts = [rec(1, "w0", 10, 1.1), rec(1, "w1", 11, 6.0), rec(int(far), "w0", 12, far + .1),
-              rec(int(far), "w1", 13, far + 2)]
-    done = [rec(1, "w0", 10, 1.3), rec(1, "w1", 11, 6.5), rec(int(far), "w0", 12, far + .3),
-            rec(int(far), "w1", 13, far + 2.5)]
+    far = int(3 + LOSS_TAIL_S + 10)
+    starts = [rec(1, "w0", 10, 1.1), rec(1, "w1", 11, 6.0), rec(far, "w0", 12, far + .1),
+              rec(far, "w1", 13, far + 2)]
+    done = [rec(1, "w0", 10, 1.3), rec(1, "w1", 11, 6.5), rec(far, "w0", 12, far + .3),
+            rec(far, "w1", 13, far + 2.5)]
+    # Slot 2 came due during the failover and never started (its message was lost with the
+    # old master); slot far + 1 came due long after it and never started either.
     summary = account(
-        store="sentinel", seed=1, window=(base + 1, base + far),
-        due_slots={"e": [base + 1, base + int(far)]}, starts=starts, done=done, fenced=[],
-        skips=[], faults=[Fault("sentinel_failover", "master:1", base + 1.0, base + 3.0)],
+        store="sentinel", seed=1, window=(base + 1, base + far + 1),
+        due_slots={"e": [base + 1, base + 2, base + far, base + far + 1]}, starts=starts,
+        done=done, fenced=[], skips=[],
+        faults=[Fault("sentinel_failover", "master:1", base + 1.0, base + 3.0)],
         beat_exits=0, audit=(True, "clean"))
-    assert [x.split(" ")[0] for x in summary.failover_losses] == [f"e@{iso(1)[11:19]}"]
-    assert [x.split(" ")[0] for x in summary.duplicates] == [f"e@{iso(int(far))[11:19]}"]
+    assert [x.split(" ")[0] for x in summary.failover_losses] == [
+        f"e@{iso(1)[11:19]}", f"e@{iso(2)[11:19]}"]
+    assert [x.split(" ")[0] for x in summary.duplicates] == [f"e@{iso(far)[11:19]}"]
+    assert [x.split(" ")[0] for x in summary.unaccounted] == [f"e@{iso(far + 1)[11:19]}"]
     # From the fault (t=1.0) to the first run after the new master (t=6.0): one run at 1.1.
     assert summary.interruptions == [("sentinel_failover", pytest.approx(4.9))]

@@ -19,8 +19,12 @@ and the process-exit count. Nothing here talks to a server, so the rules are eas
   sentinels named the new master — the old master keeps accepting writes until it is demoted,
   and Celery's broker and backend connections stay on it until then): its finish (the done
   tombstone, the broker's ack) was acknowledged by the old master and never reached the new
-  one, so the run was delivered again. docs/durability.md names this loss; it is counted here,
-  apart from the duplicates, and only a *concurrent* second run would still fail a soak.
+  one, so the run was delivered again; or an unaccounted slot whose run was in flight then
+  (started, never finished: the message given back for it, or its unacked record, was written
+  to the old master only), or which came due then and never started (its message was published
+  to the old master only: kombu's connection stays on it until Sentinel demotes it). These are
+  the losses docs/durability.md names; they are counted here, apart from the duplicates and the
+  unaccounted, and only a *concurrent* second run still fails a soak.
 
 Fenced completions (a stale run whose write the claim token refused) are reported, not errors.
 """
@@ -45,6 +49,8 @@ LOSSY_FAULTS = ("sentinel_master_kill", "sentinel_failover", "sentinel_master_st
 #: How long after the sentinels named the new master a write may still reach the old one:
 #: Sentinel demotes a master that comes back seconds later (10 s info period + 8 s role wait).
 LOSS_TAIL_S = 20.0
+#: A run started this long before such a fault may still have been in flight at it.
+IN_FLIGHT_S = 30.0
 
 
 def parse_slot(text: str | None) -> float | None:
@@ -147,8 +153,9 @@ class Summary:
             f"  duplicates          {len(self.duplicates)}" + _few(self.duplicates),
             f"    of which concurrent {len(self.concurrent_duplicates)} (a second run started "
             "before the first finished)" + _few(self.concurrent_duplicates),
-            f"  lost to a failover  {len(self.failover_losses)} (run again: the first run's "
-            "finish was acknowledged by the old master only)" + _few(self.failover_losses),
+            f"  lost to a failover  {len(self.failover_losses)} (a write only the old master "
+            "acknowledged: a run's finish, so it ran again; a redelivery or a publish, so it "
+            "never finished or never ran)" + _few(self.failover_losses),
             f"  run, yet recorded skipped {len(self.contradictions)}"
             + _few(self.contradictions),
             f"  unaccounted         {len(self.unaccounted)}" + _few(self.unaccounted),
@@ -265,6 +272,15 @@ def account(
             else:
                 task_id = _task_id(namespace, entry, slot) if namespace else None
                 why = _evidence(start_recs[(entry, slot)], stuck, task_id)
+                last = max((float(r["t"]) for r in start_recs[(entry, slot)]), default=None)
+                # In flight at the fault (started), or due in its window (never started).
+                since, at = (IN_FLIGHT_S, last) if last is not None else (1.0, slot)
+                if any(f.kind in LOSSY_FAULTS
+                       and f.t - since <= at <= (f.t_heal or f.t) + LOSS_TAIL_S
+                       for f in faults):
+                    summary.failover_losses.append(f"{label} ({why})")
+                    counts["lost-to-failover"] += 1
+                    continue
                 summary.unaccounted.append(f"{label} ({why})")
                 counts["unaccounted"] += 1
 
