@@ -16,12 +16,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import redis
 
 from celery_crawl.up import find_redis_server
 from tests.servers import RedisServer, _kill_group, _tmp_root, free_port, wait_until
 
-__all__ = ["MASTER", "SentinelSet", "running_sentinels"]
+__all__ = ["MASTER", "SentinelSet", "redis_sentinels", "running_sentinels"]
 
 MASTER = "crawl"
 DOWN_AFTER_MS = 1000
@@ -206,6 +207,13 @@ def running_sentinels(**kw: int) -> Iterator[SentinelSet]:
         yield topology.start()
     finally:
         topology.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_sentinels() -> Iterator[SentinelSet]:
+    """One Sentinel-managed topology for a session's tests that leave it as they found it."""
+    with running_sentinels() as topology:
+        yield topology
 
 
 def elapsed_until(predicate, timeout_s: float, interval_s: float = 0.02) -> float:
