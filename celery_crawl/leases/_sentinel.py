@@ -255,11 +255,13 @@ class SentinelLink:
         if (str(host), int(port)) != self.master:
             self.client.connection_pool.disconnect()
 
-    def call(self, fn: Callable[[], _R], *, retry: Callable[[BaseException], bool]) -> _R:
+    def call(self, fn: Callable[[], _R], *, retry: Callable[[BaseException], bool],
+             timeout_s: float | None = None) -> _R:
         """``fn()``, sent again while it fails with an error for which ``retry`` says so, until
-        the store's timeout from now is spent (the sentinels are asked again before each new
-        attempt: ``fn`` connects through them)."""
-        deadline = time.monotonic() + self.timeout_s
+        ``timeout_s`` (default the store's timeout) from now is spent (the sentinels are asked
+        again before each new attempt: ``fn`` connects through them)."""
+        bound = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        deadline = time.monotonic() + bound
         self.recheck()
         told = False
         while True:

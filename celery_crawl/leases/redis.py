@@ -354,15 +354,16 @@ class RedisLeaseStore(StoreDriver):
         that bound (connect included), closed afterwards: the pooled connections keep theirs.
         """
         return self._on_master(lambda: self._eval_once(name, keys, args, wait=wait,
-                                                       timeout_s=timeout_s))
+                                                       timeout_s=timeout_s), timeout_s)
 
-    def _on_master(self, fn: Callable[[], _R]) -> _R:
+    def _on_master(self, fn: Callable[[], _R], timeout_s: float | None = None) -> _R:
         """``fn()``; behind Sentinel, sent again to the master the sentinels name next while
-        it fails before it could have been applied (``SentinelLink.call``)."""
+        it fails before it could have been applied (``SentinelLink.call``), within
+        ``timeout_s`` (default the store's timeout)."""
         link = self.sentinel_link
         if link is None:
             return fn()
-        return link.call(fn, retry=link.unsent)
+        return link.call(fn, retry=link.unsent, timeout_s=timeout_s)
 
     def _eval_once(self, name: str, keys: Sequence[str], args: Sequence[Any], *,
                    wait: bool, timeout_s: float | None) -> tuple[Any, int | None]:
