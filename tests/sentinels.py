@@ -32,7 +32,11 @@ FAILOVER_TIMEOUT_MS = 3000
 class SentinelSet:
     """One master, ``replicas`` replicas and ``sentinels`` sentinels (quorum 2)."""
 
-    def __init__(self, *, replicas: int = 2, sentinels: int = 3) -> None:
+    def __init__(self, *, replicas: int = 2, sentinels: int = 3, password: str | None = None,
+                 sentinel_password: str | None = None) -> None:
+        #: The data nodes' ``requirepass`` (and the sentinels' ``auth-pass``), the sentinels' own.
+        self.password = password
+        self.sentinel_password = sentinel_password
         self.base = Path(tempfile.mkdtemp(prefix="crawl-sentinel-", dir=_tmp_root()))
         self.nodes: list[RedisServer] = []
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
@@ -51,7 +55,8 @@ class SentinelSet:
 
     def sentinel(self, i: int = 0) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.sentinel_ports[i], socket_timeout=5,
-                           socket_connect_timeout=5, decode_responses=True)
+                           socket_connect_timeout=5, decode_responses=True,
+                           password=self.sentinel_password)
 
     def master_port(self) -> int:
         """The master's port as a majority of the sentinels answering report it."""
@@ -70,17 +75,34 @@ class SentinelSet:
 
     # -- life -----------------------------------------------------------------------------------
     def start(self) -> SentinelSet:
+        auth = ([] if self.password is None
+                else ["--requirepass", self.password, "--masterauth", self.password])
         master = RedisServer(base_dir=str(self._dir("m0")),
-                             extra=["--repl-diskless-sync-delay", "0"])
+                             extra=["--repl-diskless-sync-delay", "0", *auth])
+        self._with_password(master)
         self.nodes.append(master.start())
         for i in range(self._replicas):
             replica = RedisServer(base_dir=str(self._dir(f"r{i}")), extra=[
-                "--replicaof", "127.0.0.1", str(master.port), "--repl-diskless-sync-delay", "0"])
+                "--replicaof", "127.0.0.1", str(master.port), "--repl-diskless-sync-delay", "0",
+                *auth])
+            self._with_password(replica)
             self.nodes.append(replica.start())
         for i, port in enumerate(self.sentinel_ports):
             self._start_sentinel(i, port, master.port)
         self.wait_settled(master.port)
         return self
+
+    def _with_password(self, node: RedisServer) -> None:
+        """``node.client()`` authenticates when the data nodes have a password."""
+        if self.password is None:
+            return
+        password = self.password
+
+        def client(db: int = 0) -> redis.Redis:
+            return redis.Redis(host="127.0.0.1", port=node.port, db=db, socket_timeout=5,
+                               socket_connect_timeout=5, password=password)
+
+        node.client = client  # type: ignore[method-assign]
 
     def _dir(self, name: str) -> Path:
         path = self.base / name
@@ -96,7 +118,12 @@ class SentinelSet:
             f"sentinel monitor {MASTER} 127.0.0.1 {master_port} 2",
             f"sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}",
             f"sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}",
-            f"sentinel parallel-syncs {MASTER} 2", "")))
+            f"sentinel parallel-syncs {MASTER} 2",
+            *([] if self.password is None else [f"sentinel auth-pass {MASTER} {self.password}"]),
+            *([] if self.sentinel_password is None
+              else [f"requirepass {self.sentinel_password}",
+                    f"sentinel sentinel-pass {self.sentinel_password}"]),
+            "")))
         proc = subprocess.Popen([find_redis_server(), str(conf), "--sentinel"],
                                 start_new_session=True, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)

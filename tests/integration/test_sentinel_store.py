@@ -230,3 +230,29 @@ def test_link_unsent_classification() -> None:
     assert SentinelLink.unsent(redis.ConnectionError("Error 111 connecting to 127.0.0.1:1."))
     assert not SentinelLink.unsent(redis.ConnectionError("Connection closed by server."))
     assert not SentinelLink.unsent(redis.TimeoutError("Timeout reading from socket"))
+
+
+def test_passwords_of_the_data_nodes_and_of_the_sentinels() -> None:
+    """Data nodes with ``requirepass``, sentinels with their own password: the URL's password
+    is the data nodes', ``sentinel_password`` the sentinels'; a wrong one is a clear error that
+    names neither."""
+    with running_sentinels(password="d4ta-pw", sentinel_password="s3nt-pw") as topology:
+        hosts = topology.url().split("://", 1)[1]
+        good = open_store(f"redis+sentinel://:d4ta-pw@{hosts}?sentinel_password=s3nt-pw",
+                          namespace=NS, timeout_s=2.0)
+        try:
+            lease = good.acquire(keys.worker_lease("w"), TTL_S, "w")
+            assert lease is not None
+            good.release(lease)
+        finally:
+            good.close()
+        for url in (f"redis+sentinel://:d4ta-pw@{hosts}?sentinel_password=wrong",
+                    f"redis+sentinel://:wrong@{hosts}?sentinel_password=s3nt-pw"):
+            bad = open_store(url, namespace=NS, timeout_s=0.5)
+            try:
+                with pytest.raises(StoreError) as info:
+                    bad.holder("x")
+                text = str(info.value)
+                assert "wrong" not in text and "d4ta-pw" not in text and "s3nt-pw" not in text
+            finally:
+                bad.close()
