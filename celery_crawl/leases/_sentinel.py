@@ -36,6 +36,8 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 import redis as redis_lib
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.sentinel import (
     MasterNotFoundError,
     Sentinel,
@@ -184,6 +186,9 @@ class SentinelLink:
             **{k: v for k, v in spec.sentinel.items() if v is not None},
             "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
             "decode_responses": True, "protocol": 2,
+            # No client retries (the default differs between redis-py releases): discovery
+            # moves on to the next sentinel itself, each within the timeout.
+            "retry": Retry(NoBackoff(), 0),
         }
         data = {**client_kwargs, **{k: v for k, v in spec.data.items() if k != "ssl"}}
         self._sentinel = Sentinel(list(spec.sentinels), sentinel_kwargs=sentinel_kwargs, **data)
