@@ -203,7 +203,6 @@ class SentinelLink:
                 super().connect_to(address)
                 saw((str(address[0]), int(address[1])))
 
-        self._data = data
         self._connection_class = _Connection
         self.client: redis_lib.Redis = self.master_for()
 

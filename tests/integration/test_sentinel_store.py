@@ -244,6 +244,9 @@ def test_passwords_of_the_data_nodes_and_of_the_sentinels() -> None:
             lease = good.acquire(keys.worker_lease("w"), TTL_S, "w")
             assert lease is not None
             good.release(lease)
+            link = good.sentinel_link
+            shown = f"{good.url} {good!r} {vars(good)!r} {vars(link)!r}"
+            assert "d4ta-pw" not in shown and "s3nt-pw" not in shown
         finally:
             good.close()
         for url in (f"redis+sentinel://:d4ta-pw@{hosts}?sentinel_password=wrong",
