@@ -88,7 +88,8 @@ class CrawlConfig:
         conf = app.conf
         values = {k: conf.get(k, v) for k, v in DEFAULTS.items()}
         if values["crawl_lease_url"] is None:
-            values["crawl_lease_url"] = plain_redis_url(conf.get("result_backend"))
+            backend = conf.get("result_backend")
+            values["crawl_lease_url"] = plain_redis_url(backend) or sentinel_lease_url(backend)
         if values["crawl_namespace"] is None:
             values["crawl_namespace"] = getattr(app, "main", None) or "celery_crawl"
         if values["crawl_done_ttl"] is None:
@@ -215,6 +216,19 @@ def plain_redis_url(url: object) -> str | None:
     scheme, rest = url.split("://", 1)
     mapped = _REDIS_BACKEND_SCHEMES.get(scheme.rsplit("+", 1)[-1])
     return f"{mapped}://{rest}" if mapped else None
+
+
+def sentinel_lease_url(url: object) -> str | None:
+    """``redis+sentinel://`` for an audited result backend behind Sentinel whose URL is in the
+    lease store's form (``crawlredis+sentinel://s1,s2,s3/<master>/<db>``, ``crawlsentinel://``),
+    else None (Celery's ``;``-separated form names no master: set ``crawl_lease_url``)."""
+    if not isinstance(url, str) or ";" in url:
+        return None
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("crawlredis+sentinel", "crawlsentinel"):
+        return None
+    first = rest.partition("?")[0].partition("/")[2].strip("/").partition("/")[0]
+    return f"redis+sentinel://{rest}" if first and not first.isdigit() else None
 
 
 def _check_timezone(tz: object) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "LEASE_RENEWALS",
     "LEASE_RENEWAL_FAILURES",
     "LEASE_TIME_LEFT",
+    "STORE_MASTER_CHANGES",
     "WORKER_CLAIMS",
     "WORKER_DUPLICATES_PARKED",
     "WORKER_LEASE_LOSSES",
@@ -50,6 +51,7 @@ __all__ = [
     "set_schedule",
     "start_at_zero",
     "start_metrics_server",
+    "watch_master_changes",
 ]
 
 LEASE_RENEWALS = Counter(
@@ -109,6 +111,9 @@ WORKER_DUPLICATES_PARKED = Counter(
     "parked duplicate run here once the claim ended)", ["outcome"]
 )
 WORKER_LEASE_LOSSES = Counter("crawl_worker_lease_losses_total", "Worker lease losses")
+STORE_MASTER_CHANGES = Counter(
+    "crawl_store_master_changes_total",
+    "Times this process found the lease store's Redis master at a new address (Sentinel)")
 WORKER_PREEMPTION_LATENCY = Histogram(
     "crawl_worker_preemption_latency_seconds",
     "Time from a dead worker's estimated death (its lease's last renewal) to its task "
@@ -275,3 +280,11 @@ def _listen(addr: str, port: int) -> WSGIServer:
     server = make_server(addr, port, _app, Server, handler_class=_Handler)
     threading.Thread(target=server.serve_forever, name="crawl-metrics", daemon=True).start()
     return server
+
+
+def watch_master_changes(store: object) -> None:
+    """Count the failovers a lease store behind Sentinel notices (its ``sentinel_link``) in
+    ``crawl_store_master_changes_total``; nothing for any other store."""
+    link = getattr(store, "sentinel_link", None)
+    if link is not None:
+        link.on_master_change = lambda _old, _new: STORE_MASTER_CHANGES.inc()

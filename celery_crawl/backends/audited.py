@@ -298,6 +298,16 @@ class AuditedRedisBackend(RedisBackend):
     #: Results are stored as plain JSON text, to be digested and read by ``celery crawl audit``.
     supports_result_compression = False
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> AuditedRedisBackend:
+        """``crawlredis+sentinel://`` reaches this class as a ``sentinel://`` URL (Celery splits
+        the scheme at its ``+``): that one is an ``AuditedSentinelBackend``."""
+        if cls is AuditedRedisBackend and str(kwargs.get("url") or "").startswith("sentinel://"):
+            from .sentinel import AuditedSentinelBackend
+
+            cls = AuditedSentinelBackend
+        made: AuditedRedisBackend = object.__new__(cls)
+        return made
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         app = kwargs.get("app") or (args[0] if args else None)
         if app is not None:

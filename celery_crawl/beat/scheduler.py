@@ -138,6 +138,7 @@ class LeasedScheduler(Scheduler):
         except ConfigError as exc:  # a busy port must not take the scheduler down
             log.error("beat: metrics are off: %s", exc)
         store = self._store = store_for(self.config)
+        metrics.watch_master_changes(store)
         self._clock = Clock(self._reference(), wall=self._wall_clock)
         term = self._term = Term(store, self.election, ttl_s=self.config.beat_lease_ttl_s,
                                  replica_id=self.replica_id, promote=self._promote,

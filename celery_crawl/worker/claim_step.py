@@ -120,6 +120,8 @@ class ClaimStep(bootsteps.StartStopStep):
         #: Claims and ends riding in the current channel's own round trips (``riding.py``);
         #: None when the lease store is not the broker's Redis server.
         self._riding: Riding | None = None
+        #: The one log line saying claims do not ride behind Sentinel was written.
+        self._told_sentinel = False
         #: Claims and ends the loop sends to the lease store without waiting (``store_line``);
         #: None when they ride or the store cannot have one.
         self._line: StoreLine | None = None
@@ -224,6 +226,12 @@ class ClaimStep(bootsteps.StartStopStep):
                         "releases (%s): the default path is used",
                         ", ".join(compat.untested_versions()))
             return
+        if store.sentinel and not self._told_sentinel:
+            # Sentinel may move the master between the broker's round trips and the store's:
+            # claims and ends keep their own round trips (batched), on the master.
+            self._told_sentinel = True
+            logger.info("celery-crawl: the lease store is behind Sentinel: claims and ends do "
+                        "not ride in the broker's round trips (the master may move)")
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
         where = compat.redis_channel_server(channel)
         if channel is None or where is None or not store.shares_server(where):

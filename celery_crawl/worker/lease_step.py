@@ -77,6 +77,7 @@ class LeaseStep(bootsteps.StartStopStep):
         claims = self.claim_step
         assert claims is not None, "ClaimStep is installed with LeaseStep (install_worker)"
         self.store = store_for(config)
+        metrics.watch_master_changes(self.store)
         self.broker = broker_ops(self.app, timeout_s=max(2.0, config.store_timeout_s))
         self.keeper = Keeper(self.store, ttl_s=config.worker_lease_ttl_s,
                              on_change=claims.changed_from_thread)
