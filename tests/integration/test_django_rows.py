@@ -214,3 +214,27 @@ def test_write_back_is_fenced_by_the_leader_token(app: Celery) -> None:
     finally:
         new.close()
         old.close()
+
+
+def test_a_one_off_row_is_disabled_once_it_ran(app: Celery) -> None:
+    """As django-celery-beat does: after its run the row is disabled and its count reset, and the
+    change marker moves, so every replica drops the entry."""
+    from django_celery_beat.models import PeriodicTask
+
+    _task("once", crontab=_crontab("*", "*", "UTC"), one_off=True)
+    _task("always", crontab=_crontab("*", "*", "UTC"))
+    source = row_source(app)
+    try:
+        source.poll()
+        assert set(source.entries) == {"once", "always"}
+        t1 = datetime(2030, 1, 1, 0, 0, tzinfo=UTC)
+        source.ran(source.entries["once"], t1)
+        source.ran(source.entries["always"], t1)
+        source.write_back(token=5)
+        once, always = (PeriodicTask.objects.get(name=n) for n in ("once", "always"))
+        assert (once.enabled, once.total_run_count, once.last_run_at) == (False, 0, t1)
+        assert (always.enabled, always.total_run_count) == (True, 1)
+        assert source.poll()  # the marker moved: the rows are read again
+        assert set(source.entries) == {"always"}
+    finally:
+        source.close()
