@@ -121,6 +121,8 @@ class ClaimStep(bootsteps.StartStopStep):
         #: Claims and ends riding in the current channel's own round trips (``riding.py``);
         #: None when the lease store is not the broker's Redis server.
         self._riding: Riding | None = None
+        #: The one log line saying claims do not ride behind Sentinel was written.
+        self._told_sentinel = False
         #: Claims and ends the loop sends to the lease store without waiting (``store_line``);
         #: None when they ride or the store cannot have one.
         self._line: StoreLine | None = None
@@ -198,7 +200,7 @@ class ClaimStep(bootsteps.StartStopStep):
         self._close_line()  # a start without a stop first: the old line's replies are read
         self.consumer = c
         self._ride(c)
-        if self._riding is None:
+        if self._riding is None and compat.fast_paths_ok():
             hub = getattr(self.worker, "hub", None)
             self._line = store_line_for(self.store, self.claimer, self.config.store_timeout_s,
                                         self._watch(), getattr(hub, "call_soon", None))
@@ -240,6 +242,13 @@ class ClaimStep(bootsteps.StartStopStep):
     def _ride(self, c: Any) -> None:
         """Have the claims and ends of this consumer's deliveries ride in its channel's own
         round trips, when the lease store is the broker's Redis server and database."""
+        store = self.store
+        if getattr(store, "sentinel", False) and not self._told_sentinel:
+            # Sentinel may move the master between the broker's round trips and the store's:
+            # claims and ends keep their own round trips (batched), on the master.
+            self._told_sentinel = True
+            logger.info("celery-crawl: the lease store is behind Sentinel: claims and ends do "
+                        "not ride in the broker's round trips (the master may move)")
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
         riding, refusal = riding_for(self.store, self.claimer, channel, self._ride_ended,
                                      timeout_s=self.config.store_timeout_s,
@@ -606,6 +615,12 @@ class ClaimStep(bootsteps.StartStopStep):
         """The store part of a decision, and the lease its claim was made under."""
         return self._the_desk.decide(held, presume_fresh=presume_fresh)
 
+    def _waits_for_own_run(self, held: Held, holder: str | None) -> bool:
+        """A retry or replacement (a later generation of the message) parked behind a claim
+        of this worker, or one that ended while being read: it waits for its own run."""
+        own = holder is None or (self.keeper is not None and holder == self.keeper.holder)
+        return own and held.generation != (0, 0)
+
     def _decide(self, held: Held) -> None:
         first = not held.parked
         decision, claimed_under = self._decision_for(held)
@@ -622,20 +637,31 @@ class ClaimStep(bootsteps.StartStopStep):
         elif outcome is Outcome.PARK:
             self._the_desk.parked(held, decision)
             if first:
-                metrics.WORKER_DUPLICATES_PARKED.labels("parked").inc()
-                own = self.keeper is not None and decision.holder == self.keeper.holder
-                # Our own claim: a retry or replacement received while the run that published
-                # it is still ending here (Celery's normal course, not a fault worth a warning).
-                logger.log(logging.INFO if own else logging.WARNING,
-                           "celery-crawl: %s[%s] is claimed by live worker %s%s; parked "
-                           "(not run, not acked) until that claim ends",
-                           held.task_name, held.task_id, decision.holder,
-                           " (this worker)" if own else "")
+                waiting = self._waits_for_own_run(held, decision.holder)
+                metrics.WORKER_DUPLICATES_PARKED.labels("waiting" if waiting else "parked").inc()
+                if waiting:
+                    # A retry or replacement received while the run that published it is
+                    # still ending (Celery's normal course, not a fault worth a warning).
+                    logger.info("celery-crawl: %s[%s] is a %s waiting for its previous run "
+                                "to end%s; parked (not run, not acked) until then",
+                                held.task_name, held.task_id,
+                                "retry" if held.generation[0] == 0 else "replacement",
+                                _on_worker(decision.holder, self.keeper))
+                elif decision.holder is None:
+                    logger.warning("celery-crawl: %s[%s] is a duplicate delivery whose run's "
+                                   "claim ended while being read; parked (not run, not acked) "
+                                   "and looked at again shortly", held.task_name, held.task_id)
+                else:
+                    logger.warning("celery-crawl: %s[%s] is a duplicate delivery: its run "
+                                   "holds a live claim%s; parked (not run, not acked) until "
+                                   "that claim ends", held.task_name, held.task_id,
+                                   _on_worker(decision.holder, self.keeper))
         else:
             # ``claimed_under``: the lease the claim was made under (the keeper may hold a newer
             # one by now).
+            waited = not first and self._waits_for_own_run(held, held.holder)
             self._the_desk.claimed(held, decision, claimed_under)
-            if not first:
+            if not first and not waited:
                 metrics.WORKER_DUPLICATES_PARKED.labels("run").inc()
             if outcome is Outcome.POISON:
                 self._poison(held)
@@ -1034,11 +1060,11 @@ class ClaimStep(bootsteps.StartStopStep):
         if req is None or compat.request_message(req) is not held.message:
             return 0
         # Not announced as revoked/retried: the task is not over, it runs elsewhere.
-        compat.cancel_quietly(req)
+        compat.cancel_quietly(req, getattr(self.consumer, "timer", None))
         pool = self.worker.pool
         if self.pool_name == "prefork":
             with contextlib.suppress(Exception):
-                req.cancel(pool, signal=_signal.SIGKILL, emit_retry=False)
+                compat.cancel_request(req, pool, _signal.SIGKILL)
             if not req.time_start:
                 worker_state.task_ready(req)
             return 1
@@ -1151,3 +1177,11 @@ def _digest_of(message: Any) -> str:
 def _jsonable(value: Any) -> Any:
     return value if isinstance(value, int | str | float) or value is None else str(value)
 
+
+def _on_worker(holder: str | None, keeper: Any) -> str:
+    """`` on worker X`` for the log: this worker, another one, or unknown (ended meanwhile)."""
+    if holder is None:
+        return " (that run's claim ended while being read; looked at again shortly)"
+    if keeper is not None and holder == keeper.holder:
+        return " on this worker"
+    return f" on worker {holder}"

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from celery import bootsteps, signals
 
+from .. import _celery_compat as compat
 from .. import _finishing as finishing
 from .. import _issued as issued
 from .. import metrics, status
@@ -63,6 +64,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self.app = w.app
         self.config = CrawlConfig.from_app(w.app)
         check_beat(beat)
+        compat.warn_untested("worker")
         self.pool_name = check_pool(w.pool_cls)
         self.memory_limit = check_memory(
             self.config.min_memory_bytes, w.app.conf.get("worker_max_memory_per_child"))
@@ -86,6 +88,7 @@ class LeaseStep(bootsteps.StartStopStep):
         claims = self.claim_step
         assert claims is not None, "ClaimStep is installed with LeaseStep (install_worker)"
         self.store = store_for(config)
+        metrics.watch_master_changes(self.store)
         self.broker = broker_ops(self.app, timeout_s=max(2.0, config.store_timeout_s))
         self.keeper = Keeper(self.store, ttl_s=config.worker_lease_ttl_s,
                              on_change=claims.changed_from_thread)
@@ -98,6 +101,7 @@ class LeaseStep(bootsteps.StartStopStep):
         claims.bind_lease(self.store, self.keeper)
         self.keeper.start()
         status.install(self.app, lambda: status.worker_process(self))
+        metrics.start_at_zero("worker")
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_addr)
         self._warn_acks_early()
         signals.worker_shutdown.connect(self._on_worker_shutdown, weak=False)

@@ -13,15 +13,27 @@ Pure functions of the versions and settings, so a version table can call them.
 
 from __future__ import annotations
 
+from .._celery_compat import TESTED as _COMPAT_TESTED
+
 __all__ = ["TESTED", "installed_versions", "ride_refusal"]
 
-#: ``package -> version prefixes`` riding was tested with (the first two numbers for kombu,
-#: whose QoS internals it repeats; the major for redis-py, whose client API it uses).
-TESTED: dict[str, tuple[str, ...]] = {"kombu": ("5.7",), "redis": ("8",)}
+#: ``package -> (first, last)`` minors riding was tested with: the compatibility layer's range
+#: (``.ci/run`` runs the riding tests, the byte-for-byte one included, on every minor of it).
+TESTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "kombu": _COMPAT_TESTED["kombu"], "redis": _COMPAT_TESTED["redis"]}
+_NAMES = {"kombu": "kombu", "redis": "redis-py"}
 
 
-def _prefix(version: str, parts: int) -> str:
-    return ".".join(version.split(".")[:parts])
+def _untested(dist: str, version: str) -> str | None:
+    first, last = TESTED[dist]
+    try:
+        got = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        got = ()
+    if len(got) == 2 and first <= got <= last:
+        return None
+    return (f"{_NAMES[dist]} {version} is not a version riding was tested with "
+            f"({first[0]}.{first[1]}-{last[0]}.{last[1]})")
 
 
 def ride_refusal(kombu_version: str, redis_version: str, *,
@@ -34,12 +46,9 @@ def ride_refusal(kombu_version: str, redis_version: str, *,
             ``socket_timeout`` transport option; None: kombu waits forever).
         store_timeout_s: ``crawl_store_timeout``.
     """
-    if _prefix(kombu_version, 2) not in TESTED["kombu"]:
-        return (f"kombu {kombu_version} is not a version riding was tested with "
-                f"({', '.join(TESTED['kombu'])}.x)")
-    if _prefix(redis_version, 1) not in TESTED["redis"]:
-        return (f"redis-py {redis_version} is not a version riding was tested with "
-                f"({', '.join(TESTED['redis'])}.x)")
+    why = _untested("kombu", kombu_version) or _untested("redis", redis_version)
+    if why is not None:
+        return why
     if socket_timeout_s is None or socket_timeout_s > store_timeout_s:
         return (f"the broker's socket_timeout ({socket_timeout_s}) is not bounded by "
                 f"crawl_store_timeout ({store_timeout_s}s): a worker cut off from Redis inside "

@@ -140,7 +140,7 @@ def test_inspect_stats_crawl_leases_and_flower(
         # Flat rows (Flower renders a nested dict as one blob), every value a scalar.
         assert "crawl_lease" not in info
         assert info["crawl_lease_holder"] and info["crawl_lease_token"]
-        assert info["crawl_lease_left_s"] > 0
+        assert info["crawl_lease_time_left_s"] > 0
         assert info["crawl_renew_success_rate"] in (None, 1.0)
         assert info["crawl_claims"] == 0 and info["crawl_consuming"] is True
         assert all(v is None or isinstance(v, bool | int | float | str)
@@ -164,15 +164,15 @@ def test_inspect_stats_crawl_leases_and_flower(
 
         body = wait_until(workers_api, 60, interval_s=0.5, what="flower /api/workers")
         lease = body[ws.hostname("a")]["stats"]
-        assert {"crawl_lease_holder", "crawl_lease_token", "crawl_lease_left_s", "crawl_claims",
-                "crawl_renew_success_rate"} <= set(lease)
+        assert {"crawl_lease_holder", "crawl_lease_token", "crawl_lease_time_left_s",
+                "crawl_claims", "crawl_renew_success_rate"} <= set(lease)
         # Flower's worker page, as a browser renders it: one row per figure in "Other".
         page = f"http://127.0.0.1:{port}/worker/{ws.hostname('a')}"
         rows = {row[0][1]: row[1][1] for row in
                 cells(render(page).dom, caption="Other statistics") if len(row) == 2}
         assert rows["crawl_lease_holder"] == lease["crawl_lease_holder"], rows
         assert rows["crawl_lease_token"] == str(lease["crawl_lease_token"]), rows
-        assert float(rows["crawl_lease_left_s"]) > 0, rows
+        assert float(rows["crawl_lease_time_left_s"]) > 0, rows
         assert rows["crawl_claims"] == "0" and rows["crawl_consuming"] == "True", rows
         assert not any(k == "crawl_lease" or v.startswith("{") for k, v in rows.items()), rows
         screenshot(page + "#tab-other", "flower-worker.png", size="1280,1100")
