@@ -25,6 +25,7 @@ from celery import Celery, signals
 from kombu import Consumer, Queue
 
 from celery_crawl import keys
+from celery_crawl.worker.consumer_claims import ConsumerClaims
 from celery_crawl.worker.steps import ClaimStep, LeaseStep
 from tests.queued_hub import QueuedHub
 from tests.servers import RedisServer, wait_until
@@ -62,7 +63,7 @@ class ReadingHub(QueuedHub):
 @dataclass
 class Rig:
     app: Celery
-    step: ClaimStep
+    step: ConsumerClaims
     hub: ReadingHub
     conn: Any
     queue: str
@@ -140,7 +141,7 @@ def rig(redis_server: RedisServer, fresh_redis: RedisServer) -> Iterator[Rig]:
         connection_errors=(),
         timer=SimpleNamespace(call_repeatedly=lambda *a: SimpleNamespace(cancel=lambda: None)),
         on_connection_error_after_connected=lambda exc: None)
-    step = ClaimStep(consumer)
+    step = ClaimStep(consumer).claims
     lease_step.start(worker)
     step.start(consumer)
     strategy = consumer.strategies[TASK]

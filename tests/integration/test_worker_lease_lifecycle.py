@@ -22,6 +22,7 @@ from celery_crawl import keys
 from celery_crawl.errors import StoreTimeout
 from celery_crawl.leases import open_store
 from celery_crawl.leases.base import Lease, LeaseStore
+from celery_crawl.worker.consumer_claims import ConsumerClaims
 from celery_crawl.worker.keeper import Keeper, boottime
 from celery_crawl.worker.steps import ClaimStep, LeaseStep
 from tests.queued_hub import QueuedHub
@@ -59,7 +60,7 @@ class Message:
 
 
 @pytest.fixture
-def step(redis_server: RedisServer) -> Iterator[tuple[ClaimStep, Any, RedisServer]]:
+def step(redis_server: RedisServer) -> Iterator[tuple[ConsumerClaims, Any, RedisServer]]:
     app = Celery("lifecycle", broker="memory://", set_as_current=False)
     app.conf.update(crawl_lease_url=redis_server.url, crawl_namespace=f"lc{uuid.uuid4().hex[:8]}",
                     crawl_worker_lease_ttl=TTL_S, crawl_store_timeout=1.0)
@@ -73,7 +74,7 @@ def step(redis_server: RedisServer) -> Iterator[tuple[ClaimStep, Any, RedisServe
         timer=SimpleNamespace(call_repeatedly=lambda *a: SimpleNamespace(cancel=lambda: None)),
         on_connection_error_after_connected=lambda exc: None)
     # As Celery does: both steps are built, then the worker's starts, then the consumer's.
-    claim_step = ClaimStep(consumer)
+    claim_step = ClaimStep(consumer).claims
     lease_step.start(worker)
     claim_step.start(consumer)
     try:
@@ -83,7 +84,7 @@ def step(redis_server: RedisServer) -> Iterator[tuple[ClaimStep, Any, RedisServe
         lease_step.release()
 
 
-def _deliver(step: ClaimStep, task_id: str, tag: int, started: list[str]) -> Message:
+def _deliver(step: ConsumerClaims, task_id: str, tag: int, started: list[str]) -> Message:
     """Hand one delivery to the claim strategy, as Celery's consumer does."""
 
     def original(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
@@ -97,7 +98,7 @@ def _deliver(step: ClaimStep, task_id: str, tag: int, started: list[str]) -> Mes
 
 
 def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lease(
-    step: tuple[ClaimStep, Any, RedisServer],
+    step: tuple[ConsumerClaims, Any, RedisServer],
 ) -> None:
     """The loss of lease 1 and the acquisition of lease 2 reach the loop together and run
     newest first. The worker must end consuming, with the delivery claimed under lease 2 still
@@ -145,7 +146,7 @@ def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lea
 
 
 def test_a_decision_made_under_a_lease_lost_before_it_reaches_the_loop_does_not_run(
-    step: tuple[ClaimStep, Any, RedisServer],
+    step: tuple[ConsumerClaims, Any, RedisServer],
 ) -> None:
     """The claim is made off the loop under lease 1; lease 1 is lost (and lease 2 taken) before
     the decision is applied on the loop: the delivery must be released, not run under a claim
@@ -262,7 +263,7 @@ def _run_pending(hub: QueuedHub, n: int, what: str) -> None:
 
 
 def test_a_parked_recheck_reads_the_store_off_the_loop(
-    step: tuple[ClaimStep, Any, RedisServer],
+    step: tuple[ConsumerClaims, Any, RedisServer],
 ) -> None:
     """The consumer's timer re-checks parked deliveries; with a slow or frozen store, a read on
     the loop would stall every other message for up to the store timeout per parked delivery.
@@ -295,7 +296,7 @@ def test_a_parked_recheck_reads_the_store_off_the_loop(
 
 
 def test_a_run_ending_after_its_lease_was_lost_is_checked_off_the_loop(
-    step: tuple[ClaimStep, Any, RedisServer],
+    step: tuple[ConsumerClaims, Any, RedisServer],
 ) -> None:
     """A task ends after the worker lost the lease its claim was made under, before the loss
     reached the loop: whether the claim is still ours is a store read, made off the loop; the
@@ -333,7 +334,8 @@ def test_a_run_ending_after_its_lease_was_lost_is_checked_off_the_loop(
     assert settled == ["ack"]  # the claim was still ours: the run counts
 
 
-def test_a_poison_message_is_ended_off_the_loop(step: tuple[ClaimStep, Any, RedisServer]) -> None:
+def test_a_poison_message_is_ended_off_the_loop(
+        step: tuple[ConsumerClaims, Any, RedisServer]) -> None:
     """A delivery found at ``crawl_max_deliveries`` is ended as FAILURE without running: its
     hook, result write and end record are store and backend calls, made off the loop; only the
     ack comes back to it."""
@@ -368,7 +370,7 @@ def test_a_poison_message_is_ended_off_the_loop(step: tuple[ClaimStep, Any, Redi
 
 
 def test_claims_dropped_after_a_reconnection_are_given_back_off_the_loop(
-    step: tuple[ClaimStep, Any, RedisServer],
+    step: tuple[ConsumerClaims, Any, RedisServer],
 ) -> None:
     """After a reconnection Celery has dropped the old channel's reserved deliveries: their
     claims are given back (and their messages restored) off the loop."""
@@ -393,7 +395,7 @@ def test_claims_dropped_after_a_reconnection_are_given_back_off_the_loop(
 
 
 def test_a_parked_copy_claimed_after_it_was_released_is_given_back(
-    step: tuple[ClaimStep, Any, RedisServer],
+    step: tuple[ConsumerClaims, Any, RedisServer],
 ) -> None:
     """A re-check decides to run a parked copy (the claim it waited behind is gone), but the
     copy was released meanwhile (a lease loss, a reconnection): the claim the re-check made is

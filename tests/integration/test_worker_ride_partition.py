@@ -64,7 +64,7 @@ def cut_rig(fresh_redis: RedisServer) -> Iterator[SimpleNamespace]:
             connection_errors=(),
             timer=SimpleNamespace(call_repeatedly=lambda *a: SimpleNamespace(cancel=lambda: None)),
             on_connection_error_after_connected=lambda exc: None)
-        step = ClaimStep(consumer)
+        step = ClaimStep(consumer).claims
         lease_step.start(worker)
         step.start(consumer)
         strategy = consumer.strategies[TASK]

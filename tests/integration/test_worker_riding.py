@@ -19,6 +19,7 @@ from celery import Celery, signals
 from kombu import Consumer, Queue
 
 from celery_crawl import keys
+from celery_crawl.worker.consumer_claims import ConsumerClaims
 from celery_crawl.worker.steps import ClaimStep, LeaseStep
 from tests.queued_hub import QueuedHub
 from tests.servers import Monitor, RedisServer, wait_until
@@ -30,7 +31,7 @@ TASK = "ridetest.work"
 @dataclass
 class Rig:
     app: Celery
-    step: ClaimStep
+    step: ConsumerClaims
     hub: QueuedHub
     conn: Any
     queue: str
@@ -96,7 +97,7 @@ def rig(redis_server: RedisServer) -> Iterator[Rig]:
         connection_errors=(),
         timer=SimpleNamespace(call_repeatedly=lambda *a: SimpleNamespace(cancel=lambda: None)),
         on_connection_error_after_connected=lambda exc: None)
-    step = ClaimStep(consumer)
+    step = ClaimStep(consumer).claims
     lease_step.start(worker)
     step.start(consumer)
     strategy = consumer.strategies[TASK]

@@ -9,15 +9,15 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY
 
-from celery_crawl.worker.claim_step import ClaimStep
 from celery_crawl.worker.claims import ClaimBook, Decision, Held, Outcome
+from celery_crawl.worker.consumer_claims import ConsumerClaims
 from celery_crawl.worker.desk import Desk
 
 OWN, OTHER = "host:1:own", "host:2:other"
 
 
-def _step() -> ClaimStep:
-    step = ClaimStep.__new__(ClaimStep)
+def _step() -> ConsumerClaims:
+    step = ConsumerClaims.__new__(ConsumerClaims)
     step.book = ClaimBook()
     # Parking and claiming only touch the book: no store is needed for them.
     step.desk = Desk(None, None, lambda: None, book=step.book)  # type: ignore[arg-type]
@@ -31,7 +31,7 @@ def _count(outcome: str) -> float:
                                              {"outcome": outcome}) or 0.0
 
 
-def _park_then_run(step: ClaimStep, held: Held, holder: str | None) -> None:
+def _park_then_run(step: ConsumerClaims, held: Held, holder: str | None) -> None:
     step._apply(held, Decision(Outcome.PARK, holder=holder), None, first=True)
     step._apply(held, Decision(Outcome.RUN, token=9), None, first=False)
 
