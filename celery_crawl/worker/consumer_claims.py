@@ -24,26 +24,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import logging
-import signal as _signal
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-from celery.app.task import Context
-from celery.exceptions import InvalidTaskError
-from celery.worker import state as worker_state
-from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .. import _celery_compat as compat
 from .. import _finishing as finishing
 from .. import _issued as issued
 from .. import keys, metrics
 from ..config import CrawlConfig
-from ..errors import CrawlError, LeaseLost, PoisonMessage, StoreError, StoreUnavailable
+from ..errors import CrawlError, LeaseLost, StoreError, StoreUnavailable
 from ..leases.base import Lease, LeaseStore
+from . import celery_requests as requests
 from .backlog import Backlog
 from .broker import BrokerOps
 from .claims import (
@@ -52,20 +46,17 @@ from .claims import (
     Decision,
     Held,
     Outcome,
-    lenient_int,
-    message_digest,
 )
-from .context import CLAIM_HEADER
 from .delivery import Delivery
 from .desk import Desk
 from .keeper import Keeper
 from .lease_step import LeaseStep
 from .lines import Watch
 from .offload import Offloader
+from .poison import store_poison_failure
 from .riding import Riding, riding_for
 from .routes import ClaimLine, OffThread, Ridden, Route
 from .store_line import StoreLine, store_line_for
-from .unforged import strip_claim_token
 
 __all__ = ["ConsumerClaims"]
 
@@ -330,9 +321,8 @@ class ConsumerClaims:
                 or "id" not in headers or consumer is None
                 or headers.get("task") not in consumer.strategies):
             return None
-        try:
-            held = self._held(message, str(headers["task"]))
-        except InvalidTaskError:
+        held = requests.held_or_none(message, str(headers["task"]))
+        if held is None:
             return None  # a plain append: the strategy refuses the message
         return riding.claim(held, lease, unacked_keys, unacked_args)
 
@@ -382,7 +372,7 @@ class ConsumerClaims:
         assert self.claimer is not None
         dropped: list[Held] = []
         for held in self.book.snapshot():
-            if not everything and not held.parked and self._will_run(held):
+            if not everything and not held.parked and requests.will_run(held, self.pool_name):
                 continue
             self.book.pop(held)
             dropped.append(held)
@@ -411,17 +401,6 @@ class ConsumerClaims:
                 with contextlib.suppress(StoreError, LeaseLost):
                     self.claimer.drop(held)
 
-    def _will_run(self, held: Held) -> bool:
-        req = worker_state.requests.get(held.task_id)
-        if req is None or compat.request_message(req) is not held.message:
-            return False
-        if req in worker_state.active_requests or req.time_start:
-            return True
-        if self.pool_name == "threads":
-            future = compat.threads_pool_future(req)
-            return future is not None and not future.done()
-        return False
-
     def stop(self, c: Any) -> None:
         # The loop has stopped (shutdown, or a lost connection): what is still queued off the
         # loop finishes now, its follow-ups run on the offload thread while this thread waits
@@ -437,54 +416,21 @@ class ConsumerClaims:
 
     # -- deliveries ------------------------------------------------------------------------
     def _wrap(self, task_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        step = self
+        return requests.claimed_strategy(task_name, original, consumer=lambda: self.consumer,
+                                         unprotected=self._unprotected, arrive=self._arrive)
 
-        def crawl_claimed_strategy(message: Any, body: Any, ack: _Ack, reject: _Ack,
-                                   callbacks: Any, **kwargs: Any) -> Any:
-            headers = message.headers if isinstance(message.headers, dict) else None
-            if headers is None or "id" not in headers:
-                # Task protocol 1: headers carry no id; run unprotected (logged once per task),
-                # and without a claim token: Celery builds its request from the body and the
-                # headers, so neither may bring one in.
-                _strip(message)
-                if isinstance(body, dict):
-                    body.pop(CLAIM_HEADER, None)
-                if task_name not in step._unprotected:
-                    step._unprotected.add(task_name)
-                    logger.warning("celery-crawl: %s arrived in task protocol 1; it runs without "
-                                   "a claim (set task_protocol = 2 on the producers)", task_name)
-                return original(message, body, ack, reject, callbacks, **kwargs)
-            delivery = Delivery(original, body, ack, reject, callbacks, kwargs,
-                                consumer=step.consumer)
-            claimed = step._route.take(message)
-            if claimed is not None and claimed.decision is not None:
-                # Claimed in the round trip that recorded the message as unacked.
-                claimed.held.delivery = delivery
-                step._apply(claimed.held, claimed.decision, claimed.lease, first=True)
-                return None
-            held = claimed.held if claimed is not None else step._held(message, task_name)
-            held.delivery = delivery
-            step._route.arrive(held)
-            return None
-
-        crawl_claimed_strategy.__wrapped__ = original  # type: ignore[attr-defined]
-        return crawl_claimed_strategy
-
-    def _held(self, message: Any, task_name: str) -> Held:
-        """A hold for a task message (protocol 2) just received."""
-        headers = message.headers
-        # Never trust a producer's value, wherever it put one: the token is the claim's.
-        _strip(message)
-        info = message.delivery_info or {}
-        retries = lenient_int(headers.get("retries"))
-        return Held(
-            task_id=str(headers["id"]), delivery_tag=message.delivery_tag,
-            queue=info.get("routing_key"), deliveries=0, retries=retries,
-            generation=(lenient_int(headers.get("replaced_task_nesting")), retries),
-            digest_source=functools.partial(_digest_of, message), message=message,
-            task_name=task_name, exchange=info.get("exchange"),
-            routing_key=info.get("routing_key"),
-        )
+    def _arrive(self, message: Any, task_name: str, delivery: Delivery) -> None:
+        """A protocol-2 message reached its strategy: claimed on its way in (riding), or
+        handed to the route to be claimed."""
+        claimed = self._route.take(message)
+        if claimed is not None and claimed.decision is not None:
+            # Claimed in the round trip that recorded the message as unacked.
+            claimed.held.delivery = delivery
+            self._apply(claimed.held, claimed.decision, claimed.lease, first=True)
+            return
+        held = claimed.held if claimed is not None else requests.held_for(message, task_name)
+        held.delivery = delivery
+        self._route.arrive(held)
 
     def _claim_lease(self) -> Lease | None:
         """The worker's current lease (``Desk`` returns the one each decision was made
@@ -560,7 +506,7 @@ class ConsumerClaims:
         consumer was rebuilt (Celery dropped the reserved deliveries of the old connection) or
         the lease the claim was made under is no longer the current one."""
         claimed = decision.outcome in (Outcome.RUN, Outcome.POISON)
-        if (_delivery(held).consumer is not self.consumer or self._closed
+        if (requests.delivery_of(held).consumer is not self.consumer or self._closed
                 or not self._loop_running):
             if claimed:
                 held.token, held.deliveries = decision.token, decision.deliveries
@@ -581,14 +527,8 @@ class ConsumerClaims:
                 self._release(held, "the worker lease was lost",
                               requeue=bool(self.keeper and self.keeper.failing))
                 return
-        consumer: Any = self.consumer
-        try:
-            self._apply(held, decision, claimed_under, first=first)
-        except (InvalidTaskError, ContentDisallowed) as exc:
-            # What Celery's on_task_received does when the strategy raises these.
-            consumer.on_invalid_task(None, held.message, exc)
-        except DecodeError as exc:
-            consumer.on_decode_error(held.message, exc)
+        requests.apply_or_refuse(self.consumer, held, functools.partial(
+            self._apply, held, decision, claimed_under, first=first))
 
     def _forget_one(self, held: Held) -> None:
         """Drop the claim of a delivery that will not run here, and restore its message."""
@@ -676,38 +616,22 @@ class ConsumerClaims:
         self._call_ack(held)
 
     def _run(self, held: Held) -> None:
-        run = _delivery(held)
-        held.message.headers[CLAIM_HEADER] = held.token
+        requests.run(held, self._end, self._refused)
 
-        def on_ack(*args: Any, **kw: Any) -> Any:
-            if held.fenced:
-                return None
-            settle = _settler(held, run.ack, args, kw)
-            if not self._lease_valid_for(held):
-                return self._complete_stale(held, "done", False, settle)
-            return self._route.end(held, "done", False, settle)
+    def _end(self, held: Held, state: str, requeue: bool, settle: requests.Settle) -> Any:
+        """A run acked or rejected its message: record its end, then settle."""
+        if not self._lease_valid_for(held):
+            return self._complete_stale(held, state, requeue, settle)
+        return self._route.end(held, state, requeue, settle)
 
-        def on_reject(*args: Any, **kw: Any) -> Any:
-            if held.fenced:
-                return None
-            requeue = bool(kw.get("requeue", args[2] if len(args) > 2 else False))
-            settle = _settler(held, run.reject, args, kw)
-            if not self._lease_valid_for(held):
-                return self._complete_stale(held, "rejected", requeue, settle)
-            return self._route.end(held, "rejected", requeue, settle)
-
-        try:
-            run.strategy(held.message, run.body, on_ack, on_reject, run.callbacks, **run.kwargs)
-        except BaseException:
-            # Celery refuses the message itself (undecodable body, content type not accepted,
-            # invalid task): it rejects it outside our callbacks, so the claim goes here.
-            if self.book.pop(held) is not None:
-                if self._offloading():
-                    self._offload.submit(functools.partial(self._give_back, [held],
-                                                           restore=False))
-                else:
-                    self._give_back([held], restore=False)
-            raise
+    def _refused(self, held: Held) -> None:
+        """Celery refused a claimed message itself: its claim is given back."""
+        if self.book.pop(held) is not None:
+            if self._offloading():
+                self._offload.submit(functools.partial(self._give_back, [held],
+                                                       restore=False))
+            else:
+                self._give_back([held], restore=False)
 
     def _lease_valid_for(self, held: Held) -> bool:
         lease = self.keeper.lease if self.keeper else None
@@ -774,12 +698,12 @@ class ConsumerClaims:
             return False
         held.handoff = finishing.take(held.task_id)
         if not self._the_desk.ending(held):  # released meanwhile: nothing to record
-            _settle_unless_fenced(held, settle)
+            requests.settle_unless_fenced(held, settle)
             return True
 
         def ended(error: CrawlError | None) -> None:
             self._ride_ended(held, state, requeue, error)  # the same outcomes as a ridden end
-            _settle_unless_fenced(held, settle)
+            requests.settle_unless_fenced(held, settle)
 
         if not line.end(held, state, requeue, lease, ended):
             ended(StoreUnavailable("the claim line is down"))
@@ -792,7 +716,7 @@ class ConsumerClaims:
         for held, _, _, _ in ends:
             held.handoff = finishing.take(held.task_id)
         self._the_desk.record_many([(held, state, requeue) for held, state, requeue, _ in ends])
-        return [functools.partial(_settle_unless_fenced, held, settle)
+        return [functools.partial(requests.settle_unless_fenced, held, settle)
                 for held, _, _, settle in ends]
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
@@ -831,9 +755,7 @@ class ConsumerClaims:
         self._the_desk.drain_backlog()
 
     def _call_ack(self, held: Held) -> None:
-        ack = _delivery(held).ack
-        consumer = self.consumer
-        _settler(held, ack, (logger, getattr(consumer, "connection_errors", ())), {})()
+        requests.ack(held, self.consumer)
 
     def _poison(self, held: Held) -> None:
         """End a task delivered ``crawl_max_deliveries`` times as FAILURE, without running it.
@@ -846,47 +768,11 @@ class ConsumerClaims:
             self._poison_off_loop(held)()
 
     def _poison_off_loop(self, held: Held) -> Callable[[], None]:
-        name = held.task_name
-        task = self.app.tasks.get(name)
-        message = held.message
-        reason = (f"delivered {held.deliveries} times (crawl_max_deliveries="
-                  f"{self.config.max_deliveries}) without finishing; its worker probably died "
-                  "running it")
-        exc = PoisonMessage(f"{name}[{held.task_id}] {reason}")
-        args: Any = ()
-        kwargs: Any = {}
-        embed: dict[str, Any] = {}
-        try:
-            payload = message.decode()
-            if isinstance(payload, list | tuple) and len(payload) == 3:
-                args, kwargs, embed = payload
-        except Exception:  # a body we cannot decode still ends as FAILURE
-            logger.debug("celery-crawl: cannot decode %s", held.task_id, exc_info=True)
         self.poisoned += 1
-        logger.error("celery-crawl: %s[%s] is a poison message: %s", name, held.task_id, reason)
-        hook = getattr(task, "crawl_on_poison", None) if task is not None else None
-        stored = False
-        if callable(hook):
-            # The task's own hook rolls back, audits and stores the FAILURE itself.
-            try:
-                params = inspect.signature(hook).parameters
-                extra = {k: v for k, v in (("token", held.token), ("hostname", self.hostname))
-                         if k in params}
-                hook(held.task_id, args, kwargs, reason, **extra)
-                stored = True
-            except Exception:
-                logger.exception("celery-crawl: crawl_on_poison of %s failed", held.task_id)
-        if task is not None and not stored:
-            ctx = Context({**message.headers, **(embed or {}), "args": args, "kwargs": kwargs,
-                           CLAIM_HEADER: held.token, "hostname": self.hostname,
-                           "delivery_info": message.delivery_info})
-            try:
-                task.backend.mark_as_failure(held.task_id, exc, request=ctx)
-            except Exception:
-                logger.exception("celery-crawl: storing the poison FAILURE of %s failed",
-                                 held.task_id)
+        store_poison_failure(self.app, held, hostname=self.hostname,
+                             max_deliveries=self.config.max_deliveries)
         self._complete(held, "FAILURE", requeue=False)
-        return functools.partial(_settle_unless_fenced, held,
+        return functools.partial(requests.settle_unless_fenced, held,
                                  functools.partial(self._call_ack, held))
 
     def _recheck_parked(self) -> None:
@@ -1048,28 +934,8 @@ class ConsumerClaims:
         logger.error("celery-crawl: not consuming tasks: %s", reason)
 
     def _cancel_request(self, held: Held) -> int:
-        req = worker_state.requests.get(held.task_id)
-        if req is None or compat.request_message(req) is not held.message:
-            return 0
-        # Not announced as revoked/retried: the task is not over, it runs elsewhere.
-        compat.cancel_quietly(req, getattr(self.consumer, "timer", None))
-        pool = self.worker.pool
-        if self.pool_name == "prefork":
-            with contextlib.suppress(Exception):
-                compat.cancel_request(req, pool, _signal.SIGKILL)
-            if not req.time_start:
-                worker_state.task_ready(req)
-            return 1
-        # threads pool: a running thread cannot be interrupted; only fencing protects it.
-        future = compat.threads_pool_future(req)
-        if future is not None and future.cancel():
-            worker_state.task_ready(req)
-            return 1
-        if req.time_start:
-            logger.error("celery-crawl: %s[%s] keeps running on the threads pool after the "
-                         "lease loss; its writes are fenced by its claim token %s",
-                         req.name, req.id, held.token)
-        return 0
+        return requests.cancel_request(held, pool=self.worker.pool, pool_name=self.pool_name,
+                                       timer=getattr(self.consumer, "timer", None))
 
     def _release(self, held: Held, reason: str, *, requeue: bool = True) -> None:
         """Hand an unacked delivery back without acking it (it must run again somewhere)."""
@@ -1118,52 +984,6 @@ class ConsumerClaims:
              "waiting_for": h.holder if h.parked else None}
             for h in self.book.snapshot()
         ]
-
-
-def _strip(message: Any) -> None:
-    """``strip_claim_token``; a body it cannot write back is left for Celery to refuse (its
-    embed then still carries the key: the message must not run)."""
-    try:
-        strip_claim_token(message)
-    except Exception as exc:
-        logger.error("celery-crawl: cannot remove a forged claim token from a message (%s); "
-                     "refusing it", exc)
-        raise InvalidTaskError(f"a {CLAIM_HEADER} in the body that cannot be removed") from exc
-
-
-def _settle_unless_fenced(held: Held, settle: Callable[[], Any]) -> None:
-    """Settle a message whose end was recorded, unless a lease loss released it meanwhile."""
-    if not held.fenced:
-        settle()
-
-
-def _settler(held: Held, settle: Callable[..., Any], args: tuple[Any, ...],
-             kw: dict[str, Any]) -> Callable[[], Any]:
-    """Ack or reject ``held``, unless its channel is gone (then the end is already recorded:
-    the tombstone drops the redelivery, or the claim's drop lets it run again)."""
-
-    def call() -> Any:
-        if compat.channel_gone(held.message):
-            logger.warning("celery-crawl: %s[%s]: its broker connection is gone; not acking "
-                           "on it (kombu's visibility timeout redelivers the message later, and "
-                           "the done tombstone drops that copy)", held.task_name,
-                           held.task_id)
-            return None
-        return settle(*args, **kw)
-
-    return call
-
-
-def _delivery(held: Held) -> Delivery:
-    """The strategy's arguments of a hold made by ``crawl_claimed_strategy`` (every hold of
-    this step is)."""
-    assert held.delivery is not None, f"hold of {held.task_id} carries no delivery"
-    return held.delivery
-
-
-def _digest_of(message: Any) -> str:
-    """The digest of a task message as published (its claim-token header is the worker's)."""
-    return message_digest(message.headers, message.body, without=CLAIM_HEADER)
 
 
 def _jsonable(value: Any) -> Any:
