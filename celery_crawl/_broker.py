@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ._celery_compat import priority_queue_key, restore_unacked
+from ._celery_compat import forget_unacked_locally, priority_queue_key, restore_unacked
 
 __all__ = ["AmqpBroker", "BrokerOps", "RedisBroker", "broker_ops", "json_tag"]
 
@@ -37,6 +37,15 @@ class BrokerOps(Protocol):
     """Broker operations used by the renewal thread and the reaper."""
 
     kind: str
+    #: A redelivered copy comes back under the same delivery tag, so acking a message whose
+    #: claim was taken over could settle the copy running elsewhere (Redis).
+    tags_outlive_delivery: bool
+
+    def release(self, message: Any, tag: Any, *, reaper_restores: bool) -> None:
+        """Hand an unacked message back without acking it. ``reaper_restores``: a claim in the
+        store records its tag, so the reaper restores it exactly once (where the broker
+        cannot redeliver by itself, it is only forgotten locally here)."""
+        ...
 
     def restore(self, tags: Sequence[Any]) -> int:
         """Put the messages of these delivery tags back on their queues; returns how many."""
@@ -61,6 +70,10 @@ class AmqpBroker:
     """RabbitMQ and other real AMQP brokers: redelivery is the broker's job."""
 
     kind = "amqp"
+    tags_outlive_delivery = False
+
+    def release(self, message: Any, tag: Any, *, reaper_restores: bool) -> None:
+        message.reject(requeue=True)
 
     def restore(self, tags: Sequence[Any]) -> int:
         return 0
@@ -84,6 +97,14 @@ class RedisBroker:
     """
 
     kind = "redis"
+    tags_outlive_delivery = True
+
+    def release(self, message: Any, tag: Any, *, reaper_restores: bool) -> None:
+        if reaper_restores:
+            # Forgotten locally so closing our channel does not restore it a second time.
+            forget_unacked_locally(message, tag)
+        else:
+            message.reject(requeue=True)
 
     def __init__(self, app: Any, *, timeout_s: float = 5.0) -> None:
         self._app = app

@@ -11,12 +11,9 @@ Everything that touches the consumer, the pool or a kombu message runs on the ev
 (``hub.call_soon`` from the renewal thread); completion writes may also run on a threads-pool
 thread (Celery acks from there).
 
-Lease changes reach the loop as "look again", never as events to replay: the hub runs its ready
-callbacks in no particular order, so a loss and the re-acquisition after it may run in either
-order. ``_reconcile`` reads the keeper's current generation and, once per generation, brings
-the worker to that state: consuming iff a lease is held, and every delivery claimed under a
-lease other than the current one released. It makes no store call (the loop must not wait on
-the store for a lease change).
+Lease changes reach the loop as "look again" (``lease_loss.LeaseLoss.reconcile``): once per
+keeper generation, consuming iff a lease is held, and every delivery claimed under a lease other
+than the current one released.
 """
 
 from __future__ import annotations
@@ -50,6 +47,7 @@ from .claims import (
 from .delivery import Delivery
 from .desk import Desk
 from .keeper import Keeper
+from .lease_loss import LeaseLoss
 from .lease_step import LeaseStep
 from .lines import Watch
 from .offload import Offloader
@@ -85,15 +83,16 @@ class ConsumerClaims:
         #: The one lifecycle of every delivery (``desk.py``): made once the lease is held.
         self.desk: Desk | None = None
         self.consumer: Any = None
-        self.consuming = True
-        self.fenced_count = 0
+        #: Stop/resume consuming, cancel and release on the lease's changes (``lease_loss``).
+        self.lease_loss = LeaseLoss(
+            keeper=lambda: self.keeper, book=self.book, consumer=lambda: self.consumer,
+            cancel=self._cancel_request, mode=lambda: self.config.on_lease_loss,
+            release=lambda held, reason, requeue: self._release(held, reason,
+                                                                requeue=requeue))
         self.duplicates = 0
         self.poisoned = 0
         self._closed = False
         self._unprotected: set[str] = set()
-        #: The keeper generation last brought about on the loop (``_reconcile``).
-        self._applied_generation = 0
-        self._reconcile_lock = threading.RLock()
         #: Store calls of deliveries and completions, off the event loop (``offload.py``).
         self._offload = Offloader(self._to_loop, {"decide": self._decide_batch,
                                                   "finish": self._complete_batch})
@@ -159,7 +158,7 @@ class ConsumerClaims:
                                recheck_s=self._recheck_s)
         self.desk = Desk(store, self.claimer, self._claim_lease, book=self.book,
                          backlog=self.backlog, on_recorded=self._on_recorded)
-        self._applied_generation = keeper.state().generation
+        self.lease_loss.applied_generation = keeper.state().generation
 
     def release_deliveries(self, *, lease_held: bool) -> None:
         """The worker lease is about to be released (the pool has finished): record what ended,
@@ -198,14 +197,14 @@ class ConsumerClaims:
         self._loop_ident = threading.get_ident()
         self._loop_running = True
         # Celery's Tasks step has just started consuming on the new channel.
-        self.consuming = True
+        self.lease_loss.consuming = True
         for name in list(c.strategies):
             c.strategies[name] = self._wrap(name, c.strategies[name])
         self._recheck_entry = c.timer.call_repeatedly(self._recheck_s, self._recheck_parked)
         if self.keeper is not None and self.keeper.lease is None and (
             self.config.on_lease_loss == "cancel"
         ):
-            self._stop_consuming(c, "no worker lease held")
+            self.lease_loss.stop_consuming(c, "no worker lease held")
         self._reconcile()
 
     def _choose_route(self) -> Route:
@@ -676,7 +675,8 @@ class ConsumerClaims:
             with contextlib.suppress(StoreError, LeaseLost):
                 self.claimer.finish(held, state=state, requeue=requeue)
             return settle
-        if ours is None or (self.broker is not None and self.broker.kind != "redis"):
+        if ours is None or (self.broker is not None
+                                and not self.broker.tags_outlive_delivery):
             return settle
         return functools.partial(self._release, held, "claim taken over", requeue=False)
 
@@ -842,96 +842,16 @@ class ConsumerClaims:
         self._in_loop(self._reconcile)
 
     def _reconcile(self) -> None:
-        """Bring the worker to the keeper's current lease generation (once per generation).
+        """Bring the worker to the keeper's current lease generation (``lease_loss.py``)."""
+        self.lease_loss.reconcile()
 
-        Idempotent and order-free: any number of notifications, run in any order, end in the
-        state of the latest generation. A loss and a re-acquisition applied together release the
-        deliveries of the lost lease and keep consuming; those claimed under the new lease stay.
-        """
-        keeper = self.keeper
-        if keeper is None:
-            return
-        with self._reconcile_lock:
-            state = keeper.state()
-            if state.generation == self._applied_generation:
-                return
-            self._applied_generation = state.generation
-            lease = state.lease
-            reason = keeper.last_loss or "the worker lease was lost"
-            if self.config.on_lease_loss == "continue":
-                if lease is None:
-                    logger.error(
-                        "celery-crawl: crawl_on_lease_loss=continue: %d claimed task(s) keep "
-                        "running unprotected (their claims are orphaned and may be recovered "
-                        "elsewhere)", len(self.book))
-                return
-            c = self.consumer
-            if lease is None and c is not None and self.consuming:
-                self._stop_consuming(c, reason)
-            self._fence_lost(lease, reason)
-            if lease is not None:
-                self._resume_consuming(lease)
+    @property
+    def consuming(self) -> bool:
+        return self.lease_loss.consuming
 
-    def _fence_lost(self, lease: Lease | None, reason: str) -> None:
-        """Cancel and release every delivery not held under ``lease`` (None: every one)."""
-        stale = self.book.take_not_of(lease.name if lease is not None else None)
-        if not stale:
-            return
-        # A task whose body has returned and that is only writing its result is kept: killing
-        # it would not undo its work, only run it again. Its end is recorded (or, if its
-        # claim was reaped meanwhile, forgotten here) when its result write returns.
-        ending: list[Held] = []
-        fenced: list[Held] = []
-        for held in stale:
-            kept = not held.parked and finishing.finished(held.task_id)
-            (ending if kept else fenced).append(held)
-        for held in ending:
-            self.book.add(held)
-        # A store we cannot reach may have lost our claims (and the delivery tags they record)
-        # or be unreachable for the reaper too: requeue ourselves. A store that answered "lost"
-        # (or a freeze) means the reaper can see our orphaned claims and restores each tag once.
-        requeue = bool(self.keeper and self.keeper.failing)
-        cancelled = 0
-        for held in fenced:
-            finishing.clear(held.task_id)
-            held.fenced = True
-            if not held.parked:
-                self.fenced_count += 1
-                cancelled += self._cancel_request(held)
-            self._release(held, reason, requeue=requeue)
-        logger.error(
-            "celery-crawl: lease lost (%s): %s, cancelled %d running/reserved task(s) without "
-            "acking, released %d delivery(ies), kept %d whose body had returned (their results "
-            "are being written); %s", reason,
-            "stopped consuming" if lease is None else "kept consuming",
-            cancelled, len(fenced), len(ending),
-            "resuming once a new lease is held" if lease is None
-            else f"deliveries under the new lease {lease.name} are kept")
-
-    def _resume_consuming(self, lease: Lease) -> None:
-        c = self.consumer
-        if c is None or self.consuming:
-            return
-        task_consumer = getattr(c, "task_consumer", None)
-        if task_consumer is None:
-            return
-        try:
-            task_consumer.consume()
-            self.consuming = True
-            logger.warning("celery-crawl: consuming again under lease %s", lease.name)
-        except Exception:  # the consumer restarts on connection errors
-            logger.exception("celery-crawl: resuming consumption failed")
-
-    def _stop_consuming(self, c: Any, reason: str) -> None:
-        task_consumer = getattr(c, "task_consumer", None)
-        if task_consumer is not None:
-            try:
-                task_consumer.cancel()
-            except Exception:
-                logger.warning("celery-crawl: cancelling the task consumer failed",
-                               exc_info=True)
-        self.consuming = False
-        logger.error("celery-crawl: not consuming tasks: %s", reason)
+    @property
+    def fenced_count(self) -> int:
+        return self.lease_loss.fenced_count
 
     def _cancel_request(self, held: Held) -> int:
         return requests.cancel_request(held, pool=self.worker.pool, pool_name=self.pool_name,
@@ -942,21 +862,19 @@ class ConsumerClaims:
         message = held.message
         if message is None or message.acknowledged:
             return
-        broker = self.broker.kind if self.broker else "amqp"
         try:
-            if broker == "redis" and held.token is not None and not requeue:
-                # Our claim records this tag: the reaper restores it exactly once. Forget it
-                # locally so closing our channel does not restore it a second time.
-                compat.forget_unacked_locally(message, held.delivery_tag)
-            else:
+            if self.broker is None:
                 message.reject(requeue=True)
+            else:
+                self.broker.release(message, held.delivery_tag,
+                                    reaper_restores=held.token is not None and not requeue)
         except Exception as exc:  # a dead connection requeues by itself
             logger.info("celery-crawl: releasing %s: %s", held.task_id, exc)
 
     # -- unacked freshness -----------------------------------------------------------------
     def refresh_unacked(self) -> None:
         """Keeper hook: restart the Redis visibility timeout of every delivery held here."""
-        if self.broker is None or self.broker.kind != "redis":
+        if self.broker is None or not self.broker.tags_outlive_delivery:
             return
         if self.keeper is None or self.keeper.lease is None:
             return
