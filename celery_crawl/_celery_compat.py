@@ -506,3 +506,67 @@ def fail_chain(backend: Any, chain: Any, exc: Any, traceback: Any, *, store_resu
 def call_task_errbacks(backend: Any, request: Any, exc: Any, traceback: Any) -> None:
     """Call a failed task's errbacks, as Celery's ``mark_as_failure`` does."""
     backend._call_task_errbacks(request, exc, traceback)
+
+
+# -- riding in kombu's Redis QoS, subclassed (worker/ridden_transport.py) ---------------------
+# The same rides as ``ride_redis_acks``, made from the ``append``/``ack`` of a QoS subclass
+# (kombu's own extension point: ``Channel.QoS``, ``Transport.Channel``) instead of methods
+# assigned over a live channel's QoS. ``plain`` is kombu's own method (``super()``'s).
+def ride_client(channel: Any) -> Any:
+    """One client for every ridden call of ``channel`` (kombu makes one per pipeline), on
+    kombu's own pool."""
+    return channel._create_client()
+
+
+def _ridden_call(client: Any, command: tuple[Any, ...], after: Callable[[Any], None]) -> bool:
+    """Send a ridden script; False when kombu's own call must follow (NOSCRIPT)."""
+    from redis.exceptions import NoScriptError, ResponseError
+
+    try:
+        reply = client.execute_command(*command)
+    except ResponseError as exc:
+        reply = exc
+    except BaseException:
+        after(None)
+        raise
+    after(reply)
+    if isinstance(reply, NoScriptError):
+        return False
+    if isinstance(reply, ResponseError) and str(reply).startswith(KOMBU_ERROR):
+        raise ResponseError(str(reply)[len(KOMBU_ERROR):])
+    return True
+
+
+def ridden_append(qos: Any, client: Any, message: Any, delivery_tag: Any,
+                  on_append: Callable[[Any, list[Any], list[Any]], Ride | None],
+                  plain: Callable[[Any, Any], None]) -> None:
+    """kombu's Redis ``QoS.append`` with the ride ``on_append`` returns in its place (its
+    script makes kombu's writes first: ``ZADD`` and ``HSET`` as kombu makes them)."""
+    from kombu.transport.virtual.base import QoS as VirtualQoS
+    from kombu.utils.json import dumps
+
+    info = message.delivery_info
+    ride = on_append(message, [qos.unacked_index_key, qos.unacked_key],
+                     [delivery_tag, time.time(),
+                      dumps([message._raw, info["exchange"], info["routing_key"]])])
+    if ride is None or not _ridden_call(client, *ride):
+        plain(message, delivery_tag)
+        return
+    VirtualQoS.append(qos, message, delivery_tag)
+
+
+def ridden_ack(qos: Any, client: Any, delivery_tag: Any,
+               on_ack: Callable[[Any, list[Any], list[Any]], Ride | object | None],
+               plain: Callable[[Any], None]) -> None:
+    """kombu's Redis ``QoS.ack`` with the ride ``on_ack`` returns in its place (``SENT``: the
+    hook sent its script itself; only kombu's local bookkeeping follows)."""
+    from kombu.transport.virtual.base import QoS as VirtualQoS
+
+    ride = on_ack(delivery_tag, [qos.unacked_index_key, qos.unacked_key], [delivery_tag])
+    if ride is SENT:
+        VirtualQoS.ack(qos, delivery_tag)
+        return
+    if ride is None or not _ridden_call(client, *cast(Ride, ride)):
+        plain(delivery_tag)
+        return
+    VirtualQoS.ack(qos, delivery_tag)

@@ -35,6 +35,7 @@ from ..config import CrawlConfig
 from ..errors import CrawlError, LeaseLost, StoreError, StoreUnavailable
 from ..leases.base import Lease, LeaseStore
 from . import celery_requests as requests
+from . import ridden_transport
 from .backlog import Backlog
 from .broker import BrokerOps
 from .claims import (
@@ -245,7 +246,7 @@ class ConsumerClaims:
         if riding is None:
             return
         self._riding = riding
-        compat.ride_redis_acks(channel, self._on_append, self._on_ack)
+        ridden_transport.hook(channel, self._on_append, self._on_ack)
         logger.info("celery-crawl: the lease store is the broker's Redis database: claims and "
                     "ends ride in the broker's own round trips")
 
@@ -269,6 +270,7 @@ class ConsumerClaims:
         given back (claims no strategy took) or recorded another way (ends)."""
         riding, self._riding = self._riding, None
         if riding is not None:
+            ridden_transport.unhook(riding.channel)
             self._sweep_rides(riding, overdue_s=None)
 
     def _sweep_rides(self, riding: Riding, *, overdue_s: float | None) -> None:

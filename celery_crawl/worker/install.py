@@ -59,6 +59,7 @@ def install_worker(app: Any, config: CrawlConfig | None = None) -> CrawlConfig:
     from . import (
         control,  # noqa: F401 - registers the crawl_leases remote command
         handoffs,
+        ridden_transport,
     )
     from .steps import ClaimStep, LeaseStep
 
@@ -77,6 +78,7 @@ def install_worker(app: Any, config: CrawlConfig | None = None) -> CrawlConfig:
         if not _user_set(app, key):
             app.conf[key] = value
     _bound_redis_broker(app, config)
+    ridden_transport.install(app, config)
     if _user_set(app, "broker_heartbeat"):
         current = app.conf.get("broker_heartbeat")
         if current and current > config.worker_lease_ttl_s:

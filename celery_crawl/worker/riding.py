@@ -21,7 +21,7 @@ whatever the client does next, and the reply only says whether the end must go t
 redelivery either way) or a parked copy be woken (a hand-off).
 
 This module does not import Celery; ``ClaimStep`` installs the hooks through
-``_celery_compat.ride_redis_acks``.
+``ridden_transport.hook`` (kombu's Redis transport, subclassed).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .._celery_compat import SENT, Ride
 from ..errors import CrawlError, StoreUnavailable
 from ..leases.base import Lease
 from ..leases.redis import RedisLeaseStore
+from . import ridden_transport
 from .claims import Claimer, Decision, Held
 from .lines import ReplyLine, Watch, line_for
 from .ride_gate import installed_versions, ride_refusal
@@ -229,6 +230,10 @@ def riding_for(store: Any, claimer: Claimer | None, channel: Any, ended: Ended, 
                            store_timeout_s=timeout_s)
     if refusal is not None:
         return None, refusal
+    if not isinstance(channel, ridden_transport.Channel):
+        return None, ("the broker's transport is not celery-crawl's Redis transport "
+                      "(install_worker sets it as broker_transport unless the app chose its "
+                      "own)")
     return Riding(store, claimer, channel, ended,
                   ack_line=line_for(channel.pool, timeout_s, name="ack line", watch=watch),
                   on_loop=on_loop), None

@@ -19,6 +19,7 @@ from celery import Celery, signals
 from kombu import Consumer, Queue
 
 from celery_crawl import keys
+from celery_crawl.worker import install_worker, ridden_transport
 from celery_crawl.worker.consumer_claims import ConsumerClaims
 from celery_crawl.worker.steps import ClaimStep, LeaseStep
 from tests.queued_hub import QueuedHub
@@ -77,6 +78,8 @@ def rig(redis_server: RedisServer) -> Iterator[Rig]:
                     # As install_worker sets it: riding needs kombu's writes bounded too.
                     broker_transport_options={"socket_timeout": 1.0},
                     task_serializer="json", accept_content=["json"])
+    install_worker(app)  # kombu's Redis transport, subclassed so claims ride (the URL stays)
+    assert app.conf.broker_transport == ridden_transport.PATH
     hub = QueuedHub()
     worker = SimpleNamespace(app=app, pool_cls="prefork", hostname="ride@localhost", hub=hub,
                              pool=None)
