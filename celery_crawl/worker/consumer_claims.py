@@ -35,7 +35,6 @@ from ..config import CrawlConfig
 from ..errors import CrawlError, LeaseLost, StoreError, StoreUnavailable
 from ..leases.base import Lease, LeaseStore
 from . import celery_requests as requests
-from . import ridden_transport
 from .backlog import Backlog
 from .broker import BrokerOps
 from .claims import (
@@ -53,7 +52,8 @@ from .lease_step import LeaseStep
 from .lines import Watch
 from .offload import Offloader
 from .poison import store_poison_failure
-from .riding import Riding, riding_for
+from .ride_wiring import RideWiring
+from .riding import Riding
 from .routes import ClaimLine, OffThread, Ridden, Route
 from .store_line import StoreLine, store_line_for
 
@@ -104,15 +104,16 @@ class ConsumerClaims:
         self._recheck_entry: Any = None
         #: A periodic re-check of parked deliveries is out on the offload thread.
         self._rechecking = False
-        #: Claims and ends riding in the current channel's own round trips (``riding.py``);
-        #: None when the lease store is not the broker's Redis server.
-        self._riding: Riding | None = None
-        #: The one log line saying claims do not ride behind Sentinel was written.
-        self._told_sentinel = False
+        #: Claims and ends riding in the current channel's own round trips (``ride_wiring``).
+        self.rides = RideWiring(
+            lease=self._claim_lease, desk=lambda: self._the_desk,
+            accepts=self._accepts, loop_running=lambda: self._loop_running,
+            submit=self._offload.submit,
+            give_back=lambda helds: self._give_back(helds, restore=False),
+            drop_if_unheld=self._drop_if_unheld, overdue_s=lambda: self._ride_overdue_s)
         #: Claims and ends the loop sends to the lease store without waiting (``store_line``);
         #: None when they ride or the store cannot have one.
         self._line: StoreLine | None = None
-        self._ride_refusal_logged = False
         #: How claims and ends travel (``routes.py``), chosen again at every consumer start.
         self._route: Route = self._choose_route()
 
@@ -216,39 +217,22 @@ class ConsumerClaims:
             "end_now": lambda held, state, requeue: self._complete(held, state,
                                                                    requeue=requeue)}
         if self._riding is not None:
-            return Ridden(take_claim=self._take_ridden, ride_end=self._ride_end, **common)
+            return Ridden(take_claim=self.rides.take, ride_end=self.rides.end, **common)
         if self._line is not None:
             return ClaimLine(send_claim=self._send_claim, send_end=self._send_end, **common)
         return OffThread(**common)
 
-    def _take_ridden(self, message: Any) -> Any:
-        riding = self._riding
-        return riding.take(message, message.delivery_tag) if riding is not None else None
-
     def _ride(self, c: Any) -> None:
-        """Have the claims and ends of this consumer's deliveries ride in its channel's own
-        round trips, when the lease store is the broker's Redis server and database."""
-        store = self.store
-        if getattr(store, "sentinel", False) and not self._told_sentinel:
-            # Sentinel may move the master between the broker's round trips and the store's:
-            # claims and ends keep their own round trips (batched), on the master.
-            self._told_sentinel = True
-            logger.info("celery-crawl: the lease store is behind Sentinel: claims and ends do "
-                        "not ride in the broker's round trips (the master may move)")
-        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
-        riding, refusal = riding_for(self.store, self.claimer, channel, self._ride_ended,
-                                     timeout_s=self.config.store_timeout_s,
-                                     watch=self._watch(), on_loop=self._offloading)
-        if refusal is not None and not self._ride_refusal_logged:
-            self._ride_refusal_logged = True
-            logger.warning("celery-crawl: claims and ends do not ride in the broker's round "
-                           "trips: %s", refusal)
-        if riding is None:
-            return
-        self._riding = riding
-        ridden_transport.hook(channel, self._on_append, self._on_ack)
-        logger.info("celery-crawl: the lease store is the broker's Redis database: claims and "
-                    "ends ride in the broker's own round trips")
+        """Have this consumer's claims and ends ride in its channel's round trips, if they
+        may (``ride_wiring.py``)."""
+        self.rides.ride(getattr(getattr(c, "task_consumer", None), "channel", None),
+                        self.store, self.claimer, self._ride_ended,
+                        timeout_s=self.config.store_timeout_s, watch=self._watch(),
+                        on_loop=self._offloading)
+
+    @property
+    def _riding(self) -> Riding | None:
+        return self.rides.riding
 
     def _watch(self) -> Watch | None:
         """The loop's reader registration, for lines whose replies should be read as soon as
@@ -266,89 +250,19 @@ class ConsumerClaims:
             line.line.drain()
 
     def _unride(self) -> None:
-        """The channel is gone (a reconnection, a stop): what waited on its round trips is
-        given back (claims no strategy took) or recorded another way (ends)."""
-        riding, self._riding = self._riding, None
-        if riding is not None:
-            ridden_transport.unhook(riding.channel)
-            self._sweep_rides(riding, overdue_s=None)
+        self.rides.unride()
 
     def _sweep_rides(self, riding: Riding, *, overdue_s: float | None) -> None:
-        line = riding.ack_line
-        if line is not None:
-            # Acks sent on the loop without waiting: their replies (errors go to the backlog).
-            if overdue_s is None:
-                line.drain()
-            else:
-                line.poll(overdue_s)
-        claimed, unknown = riding.leftovers()
-        for each in claimed:
-            if each.decision is not None and each.decision.token is not None:
-                gone = dataclasses.replace(each.held, token=each.decision.token,
-                                           lease_name=each.lease.name,
-                                           holder=each.lease.holder)
-                self._offload.submit(functools.partial(self._give_back, [gone],
-                                                       restore=False))
-        for held, lease in unknown:
-            self._offload.submit(functools.partial(self._drop_unheld_job, held, lease))
-        for end in riding.overdue(overdue_s):
-            logger.info("celery-crawl: %s[%s]: its ack did not carry its end; recording it "
-                        "separately", end.held.task_name, end.held.task_id)
-            self._defer(end.held, end.state, end.requeue)
-
-    def _drop_unheld_job(self, held: Held, lease: Lease) -> None:
-        """Offload job: ``_drop_if_unheld`` (nothing follows on the loop)."""
-        self._drop_if_unheld(held, lease)
+        self.rides.sweep(riding, overdue_s=overdue_s)
 
     def _drop_if_unheld(self, held: Held, lease: Lease) -> bool:
         """``Desk.drop_if_unheld`` (False before the lease was first held)."""
         return self.desk.drop_if_unheld(held, lease) if self.desk is not None else False
 
-    def _on_append(self, message: Any, unacked_keys: list[Any], unacked_args: list[Any]
-                   ) -> Any:
-        """kombu records ``message`` as unacked: its claim rides along (a task message of a
-        registered task, under a held lease)."""
-        riding = self._riding
-        if riding is None or not riding.carries(message):
-            return None
-        # A claim left from an earlier message never reached a strategy (ends wait for the
-        # consumer's timer: their acks come on later turns).
-        if riding.has_leftovers():
-            self._sweep_rides(riding, overdue_s=self._ride_overdue_s)
-        lease = self.keeper.lease if self.keeper else None
-        headers = message.headers
-        consumer = self.consumer
-        if (lease is None or self._closed or not isinstance(headers, dict)
-                or "id" not in headers or consumer is None
-                or headers.get("task") not in consumer.strategies):
-            return None
-        held = requests.held_or_none(message, str(headers["task"]))
-        if held is None:
-            return None  # a plain append: the strategy refuses the message
-        return riding.claim(held, lease, unacked_keys, unacked_args)
-
-    def _on_ack(self, tag: Any, unacked_keys: list[Any], unacked_args: list[Any]) -> Any:
-        riding = self._riding
-        return riding.on_ack(tag, unacked_keys, unacked_args) if riding is not None else None
-
     @property
     def _ride_overdue_s(self) -> float:
         """How long an end waits for its message's ack before it is recorded separately."""
         return max(10.0, 10 * self._recheck_s)
-
-    def _ride_end(self, held: Held, state: str, requeue: bool) -> bool:
-        """Have the ack of ``held``'s message carry its end (True), if it rides."""
-        riding = self._riding
-        lease = self.keeper.lease if self.keeper else None
-        if (riding is None or lease is None or not self._loop_running
-                or not riding.carries(held.message) or compat.channel_gone(held.message)):
-            return False
-        held.handoff = finishing.take(held.task_id)
-        if not self._the_desk.ending(held):
-            return True  # released meanwhile: nothing to record
-        if not riding.end(held, state, requeue, lease):
-            self._the_desk.failed(held, state, requeue)
-        return True
 
     def _ride_ended(self, held: Held, state: str, requeue: bool,
                     error: Exception | None) -> None:
@@ -416,6 +330,12 @@ class ConsumerClaims:
                 entry.cancel()
 
     # -- deliveries ------------------------------------------------------------------------
+    def _accepts(self, task_name: str) -> bool:
+        """Whether a delivery of ``task_name`` is claimed now (this consumer runs it)."""
+        consumer = self.consumer
+        return (not self._closed and consumer is not None
+                and task_name in consumer.strategies)
+
     def _wrap(self, task_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         return requests.claimed_strategy(task_name, original, consumer=lambda: self.consumer,
                                          unprotected=self._unprotected, arrive=self._arrive)
