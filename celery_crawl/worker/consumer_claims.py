@@ -35,6 +35,7 @@ from ..config import CrawlConfig
 from ..errors import CrawlError, LeaseLost, StoreError, StoreUnavailable
 from ..leases.base import Lease, LeaseStore
 from . import celery_requests as requests
+from . import park_words
 from .backlog import Backlog
 from .broker import BrokerOps
 from .claims import (
@@ -468,11 +469,9 @@ class ConsumerClaims:
         """The store part of a decision, and the lease its claim was made under."""
         return self._the_desk.decide(held, presume_fresh=presume_fresh)
 
-    def _waits_for_own_run(self, held: Held, holder: str | None) -> bool:
-        """A retry or replacement (a later generation of the message) parked behind a claim
-        of this worker, or one that ended while being read: it waits for its own run."""
-        own = holder is None or (self.keeper is not None and holder == self.keeper.holder)
-        return own and held.generation != (0, 0)
+    @property
+    def _own_holder(self) -> str | None:
+        return self.keeper.holder if self.keeper is not None else None
 
     def _decide(self, held: Held) -> None:
         first = not held.parked
@@ -490,32 +489,13 @@ class ConsumerClaims:
         elif outcome is Outcome.PARK:
             self._the_desk.parked(held, decision)
             if first:
-                waiting = self._waits_for_own_run(held, decision.holder)
-                metrics.WORKER_DUPLICATES_PARKED.labels("waiting" if waiting else "parked").inc()
-                if waiting:
-                    # A retry or replacement received while the run that published it is
-                    # still ending (Celery's normal course, not a fault worth a warning).
-                    logger.info("celery-crawl: %s[%s] is a %s waiting for its previous run "
-                                "to end%s; parked (not run, not acked) until then",
-                                held.task_name, held.task_id,
-                                "retry" if held.generation[0] == 0 else "replacement",
-                                _on_worker(decision.holder, self.keeper))
-                elif decision.holder is None:
-                    logger.warning("celery-crawl: %s[%s] is a duplicate delivery whose run's "
-                                   "claim ended while being read; parked (not run, not acked) "
-                                   "and looked at again shortly", held.task_name, held.task_id)
-                else:
-                    logger.warning("celery-crawl: %s[%s] is a duplicate delivery: its run "
-                                   "holds a live claim%s; parked (not run, not acked) until "
-                                   "that claim ends", held.task_name, held.task_id,
-                                   _on_worker(decision.holder, self.keeper))
+                park_words.say_parked(held, decision, self._own_holder)
         else:
             # ``claimed_under``: the lease the claim was made under (the keeper may hold a newer
             # one by now).
-            waited = not first and self._waits_for_own_run(held, held.holder)
+            if not first:
+                park_words.run_after_parking(held, self._own_holder)
             self._the_desk.claimed(held, decision, claimed_under)
-            if not first and not waited:
-                metrics.WORKER_DUPLICATES_PARKED.labels("run").inc()
             if outcome is Outcome.POISON:
                 self._poison(held)
             else:
@@ -829,11 +809,3 @@ class ConsumerClaims:
 def _jsonable(value: Any) -> Any:
     return value if isinstance(value, int | str | float) or value is None else str(value)
 
-
-def _on_worker(holder: str | None, keeper: Any) -> str:
-    """`` on worker X`` for the log: this worker, another one, or unknown (ended meanwhile)."""
-    if holder is None:
-        return " (that run's claim ended while being read; looked at again shortly)"
-    if keeper is not None and holder == keeper.holder:
-        return " on this worker"
-    return f" on worker {holder}"
