@@ -30,7 +30,7 @@ from typing import Any
 from .. import _celery_compat as compat
 from .. import _finishing as finishing
 from .. import _issued as issued
-from .. import keys, metrics
+from .. import metrics
 from ..config import CrawlConfig
 from ..errors import CrawlError, LeaseLost, StoreError, StoreUnavailable
 from ..leases.base import Lease, LeaseStore
@@ -559,26 +559,11 @@ class ConsumerClaims:
 
     def _stale_end(self, held: Held, state: str, requeue: bool,
                    settle: Callable[[], Any]) -> Callable[[], Any]:
-        """The store part of ``_complete_stale``; returns what to do with the message."""
-        assert self.store is not None and self.claimer is not None
-        ours: bool | None
-        try:
-            current = self.store.claimant(keys.task_claim(held.task_id))
-            ours = current is not None and current.token == held.token
-        except StoreError:
-            ours = None
-        finally:
-            # Recorded below or never: the end names its claim, so it cannot touch another.
-            self.book.recorded(held)
-        logger.warning("celery-crawl: %s[%s] ended after its lease was lost (claim %s)",
-                       held.task_name, held.task_id,
-                       {True: "still ours", False: "taken over", None: "unknown"}[ours])
-        if ours:
-            with contextlib.suppress(StoreError, LeaseLost):
-                self.claimer.finish(held, state=state, requeue=requeue)
-            return settle
-        if ours is None or (self.broker is not None
-                                and not self.broker.tags_outlive_delivery):
+        """The store part of ``_complete_stale`` (``Desk.record_stale``); returns what to do
+        with the message."""
+        ours = self._the_desk.record_stale(held, state, requeue)
+        if ours or ours is None or (self.broker is not None
+                                    and not self.broker.tags_outlive_delivery):
             return settle
         return functools.partial(self._release, held, "claim taken over", requeue=False)
 

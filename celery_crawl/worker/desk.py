@@ -173,6 +173,27 @@ class Desk:
             else:
                 self.recorded(held)
 
+    def record_stale(self, held: Held, state: str, requeue: bool) -> bool | None:
+        """The end of a run whose claim's lease was lost before it ended: recorded if its
+        claim is still ours (nobody reaped it). Whether it was (None: the store did not say).
+        Either way ``held`` is forgotten: the end names its claim, so it cannot touch
+        another."""
+        ours: bool | None
+        try:
+            current = self.store.claimant(keys.task_claim(held.task_id))
+            ours = current is not None and current.token == held.token
+        except StoreError:
+            ours = None
+        finally:
+            self.book.recorded(held)
+        logger.warning("celery-crawl: %s[%s] ended after its lease was lost (claim %s)",
+                       held.task_name, held.task_id,
+                       {True: "still ours", False: "taken over", None: "unknown"}[ours])
+        if ours:
+            with contextlib.suppress(StoreError, LeaseLost):
+                self.claimer.finish(held, state=state, requeue=requeue)
+        return ours
+
     def drain_backlog(self) -> None:
         """Record the ends that could not be recorded when they happened (keeper hook)."""
 
