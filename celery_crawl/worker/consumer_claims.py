@@ -32,7 +32,7 @@ from .. import _finishing as finishing
 from .. import _issued as issued
 from .. import metrics
 from ..config import CrawlConfig
-from ..errors import CrawlError, LeaseLost, StoreError, StoreUnavailable
+from ..errors import CrawlError, StoreError, StoreUnavailable
 from ..leases.base import Lease, LeaseStore
 from . import celery_requests as requests
 from . import park_words
@@ -279,19 +279,9 @@ class ConsumerClaims:
         return min(1.0, self.config.worker_lease_ttl_s / 3)
 
     def _forget_unstarted(self, *, everything: bool) -> None:
-        """Drop the claims of deliveries that will not run here (no tombstone: they run again).
-
-        ``everything``: at worker shutdown, after the pool finished, every remaining hold.
-        Otherwise (after a reconnection) only those Celery no longer tracks as active or queued
-        in a pool that will still run them.
-        """
-        assert self.claimer is not None
-        dropped: list[Held] = []
-        for held in self.book.snapshot():
-            if not everything and not held.parked and requests.will_run(held, self.pool_name):
-                continue
-            self.book.pop(held)
-            dropped.append(held)
+        """Drop the claims of deliveries that will not run here (``Desk.take_unstarted``)."""
+        dropped = self._the_desk.take_unstarted(
+            lambda held: requests.will_run(held, self.pool_name), everything=everything)
         if not dropped:
             return
         if everything:
@@ -305,17 +295,18 @@ class ConsumerClaims:
         """Drop the claims of deliveries that will not run here (and, after a reconnection,
         restore their messages: the old channel could not, its connection is gone; on Redis
         they would wait for the visibility timeout. Idempotent if it did)."""
-        assert self.claimer is not None
-        if restore and self.broker is not None:
-            try:
-                self.broker.restore([h.delivery_tag for h in dropped])
-            except Exception as exc:
-                logger.warning("celery-crawl: restoring %d delivery(ies) of the old connection "
-                               "failed (%s); kombu's visibility timeout will", len(dropped), exc)
-        for held in dropped:
-            if not held.parked and held.token is not None:
-                with contextlib.suppress(StoreError, LeaseLost):
-                    self.claimer.drop(held)
+        if restore:
+            self._restore(dropped)
+        self._the_desk.give_back(dropped)
+
+    def _restore(self, helds: list[Held]) -> None:
+        if self.broker is None:
+            return
+        try:
+            self.broker.restore([h.delivery_tag for h in helds])
+        except Exception as exc:
+            logger.warning("celery-crawl: restoring %d delivery(ies) of the old connection "
+                           "failed (%s); kombu's visibility timeout will", len(helds), exc)
 
     def stop(self, c: Any) -> None:
         # The loop has stopped (shutdown, or a lost connection): what is still queued off the
@@ -454,15 +445,8 @@ class ConsumerClaims:
 
     def _forget_one(self, held: Held) -> None:
         """Drop the claim of a delivery that will not run here, and restore its message."""
-        assert self.claimer is not None
-        with contextlib.suppress(StoreError, LeaseLost):
-            self.claimer.drop(held)
-        if self.broker is not None:
-            try:
-                self.broker.restore([held.delivery_tag])
-            except Exception as exc:
-                logger.warning("celery-crawl: restoring a delivery of the old connection "
-                               "failed (%s); kombu's visibility timeout will", exc)
+        self._the_desk.drop(held)
+        self._restore([held])
 
     def _decision_for(self, held: Held, *, presume_fresh: bool = True
                       ) -> tuple[Decision, Lease | None]:

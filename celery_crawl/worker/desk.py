@@ -124,6 +124,31 @@ class Desk:
         held.deliveries = decision.deliveries
         self.book.add(held)
 
+    def take_unstarted(self, will_run: Callable[[Held], bool], *,
+                       everything: bool) -> list[Held]:
+        """Forget the holds that will not run here: every one (``everything``: at shutdown,
+        after the pool finished) or, after a reconnection, the parked ones and those
+        ``will_run`` says Celery no longer runs. Their claims go with ``give_back``."""
+        taken: list[Held] = []
+        for held in self.book.snapshot():
+            if not everything and not held.parked and will_run(held):
+                continue
+            self.book.pop(held)
+            taken.append(held)
+        return taken
+
+    def give_back(self, helds: list[Held]) -> None:
+        """Drop the claims of holds that will not run here (no tombstone: they run again)."""
+        for held in helds:
+            if not held.parked and held.token is not None:
+                self.drop(held)
+
+    def drop(self, held: Held) -> None:
+        """Drop ``held``'s claim, naming its token (an error leaves it to expire with the
+        lease or to the reaper)."""
+        with contextlib.suppress(StoreError, LeaseLost):
+            self.claimer.drop(held)
+
     # -- end ---------------------------------------------------------------------------------
     def ending(self, held: Held) -> bool:
         """``held``'s run ended: it is *ending* until ``recorded``. False when it was not live
