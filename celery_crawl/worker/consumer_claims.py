@@ -19,7 +19,6 @@ than the current one released.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import threading
@@ -53,6 +52,7 @@ from .lease_step import LeaseStep
 from .lines import Watch
 from .offload import Offloader
 from .poison import store_poison_failure
+from .recheck import Recheck
 from .ride_wiring import RideWiring
 from .riding import Riding
 from .routes import ClaimLine, OffThread, Ridden, Route
@@ -103,8 +103,14 @@ class ConsumerClaims:
         self._loop_running = False
         #: The consumer timer's entry re-checking parked deliveries (between start and stop).
         self._recheck_entry: Any = None
-        #: A periodic re-check of parked deliveries is out on the offload thread.
-        self._rechecking = False
+        #: Parked deliveries looked at again (``recheck.py``).
+        self.recheck = Recheck(
+            book=self.book, offloading=self._offloading, submit=self._offload.submit,
+            in_loop=self._in_loop, decide=self._decide,
+            decision_for=lambda held: self._decision_for(held),
+            apply=lambda held, decision, under: self._apply_later(held, decision, under,
+                                                                  first=False),
+            give_back=lambda helds: self._give_back(helds, restore=False))
         #: Claims and ends riding in the current channel's own round trips (``ride_wiring``).
         self.rides = RideWiring(
             lease=self._claim_lease, desk=lambda: self._the_desk,
@@ -602,21 +608,8 @@ class ConsumerClaims:
 
     def _wake_parked(self, task_id: str) -> None:
         """Decide at once the parked deliveries of a task whose run just handed its id on (a
-        retry or replacement received while that run still held the claim), instead of on the
-        next re-check: each ``Task.replace`` or retry would otherwise wait up to a second."""
-        for other in self.book.snapshot():
-            if other.parked and other.task_id == task_id:
-                self._in_loop(self._decide_if_parked, other)
-
-    def _decide_if_parked(self, held: Held) -> None:
-        if held.parked and not held.fenced and self._holds(held):
-            if self._offloading():
-                self._offload.submit(functools.partial(self._recheck_off_loop, [held]))
-            else:
-                self._decide(held)
-
-    def _holds(self, held: Held) -> bool:
-        return any(h is held for h in self.book.snapshot())
+        retry or replacement received while that run still held the claim)."""
+        self.recheck.wake(task_id)
 
     def _defer(self, held: Held, state: str, requeue: bool) -> None:
         self._the_desk.failed(held, state, requeue)
@@ -647,58 +640,18 @@ class ConsumerClaims:
                                  functools.partial(self._call_ack, held))
 
     def _recheck_parked(self) -> None:
-        """Consumer timer: look again at the parked deliveries (their claimant may have died
-        or ended). The reads go to the offload thread; the decisions are applied on the loop.
-        Also sweeps what waited too long on the channel's round trips (``_sweep_rides``)."""
+        """Consumer timer: look again at the parked deliveries (``recheck.py``), after
+        sweeping what waited too long on the channel's round trips (``_sweep_rides``)."""
         riding = self._riding
         if riding is not None:
             self._sweep_rides(riding, overdue_s=self._ride_overdue_s)
         if self._line is not None:
             self._line.line.poll(self._ride_overdue_s)
-        parked = [h for h in self.book.snapshot() if h.parked and not h.fenced]
-        if not parked:
-            return
-        if not self._offloading():
-            for held in parked:
-                self._decide(held)
-            return
-        if self._rechecking:  # the last one is still out (a slow store): no pile-up
-            return
-        self._rechecking = True
-        self._offload.submit(functools.partial(self._recheck_off_loop, parked, periodic=True))
+        self.recheck.tick()
 
-    def _recheck_off_loop(self, parked: list[Held], *,
-                          periodic: bool = False) -> Callable[[], None]:
-        """Offload thread: the store part of each parked delivery's decision."""
-        try:
-            decided = [(held, *self._decision_for(held)) for held in parked]
-        except BaseException:
-            if periodic:
-                self._rechecking = False
-            raise
-
-        def apply() -> None:
-            if periodic:
-                self._rechecking = False
-            for held, decision, claimed_under in decided:
-                self._apply_recheck(held, decision, claimed_under)
-
-        return apply
-
-    def _apply_recheck(self, held: Held, decision: Decision,
-                       claimed_under: Lease | None) -> None:
-        """Loop: apply a parked delivery's decision made off the loop, if it is still parked
-        here; a claim made meanwhile for a delivery that is gone (released on a lease loss, or
-        dropped on a reconnection) is given back."""
-        if held.parked and not held.fenced and self._holds(held):
-            self._apply_later(held, decision, claimed_under, first=False)
-        elif decision.outcome in (Outcome.RUN, Outcome.POISON) and not self._holds(held):
-            # A copy: the hold itself is settled (released or dropped) and may be read still.
-            gone = dataclasses.replace(
-                held, token=decision.token, parked=False,
-                lease_name=claimed_under.name if claimed_under else None,
-                holder=claimed_under.holder if claimed_under else None)
-            self._offload.submit(functools.partial(self._give_back, [gone], restore=False))
+    @property
+    def _rechecking(self) -> bool:
+        return self.recheck.rechecking
 
     # -- lease loss / regain ---------------------------------------------------------------
     def _in_loop(self, fn: Callable[..., None], *args: Any) -> None:
