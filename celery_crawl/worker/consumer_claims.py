@@ -31,7 +31,7 @@ from .. import _finishing as finishing
 from .. import _issued as issued
 from .. import metrics
 from ..config import CrawlConfig
-from ..errors import CrawlError, StoreError, StoreUnavailable
+from ..errors import StoreError
 from ..leases.base import Lease, LeaseStore
 from . import celery_requests as requests
 from . import park_words
@@ -49,6 +49,7 @@ from .desk import Desk
 from .keeper import Keeper
 from .lease_loss import LeaseLoss
 from .lease_step import LeaseStep
+from .line_wiring import LineWiring
 from .lines import Watch
 from .offload import Offloader
 from .poison import store_poison_failure
@@ -56,7 +57,7 @@ from .recheck import Recheck
 from .ride_wiring import RideWiring
 from .riding import Riding
 from .routes import ClaimLine, OffThread, Ridden, Route
-from .store_line import StoreLine, store_line_for
+from .store_line import StoreLine
 
 __all__ = ["ConsumerClaims"]
 
@@ -118,9 +119,12 @@ class ConsumerClaims:
             submit=self._offload.submit,
             give_back=lambda helds: self._give_back(helds, restore=False),
             drop_if_unheld=self._drop_if_unheld, overdue_s=lambda: self._ride_overdue_s)
-        #: Claims and ends the loop sends to the lease store without waiting (``store_line``);
-        #: None when they ride or the store cannot have one.
-        self._line: StoreLine | None = None
+        #: Claims and ends the loop sends to the lease store without waiting (``line_wiring``).
+        self.lines = LineWiring(
+            lease=self._claim_lease, desk=lambda: self._the_desk, submit=self._offload.submit,
+            decide_off_loop=self._decide_off_loop,
+            apply=lambda held, decision, under: self._apply_later(held, decision, under),
+            ended=self._ride_ended)
         #: How claims and ends travel (``routes.py``), chosen again at every consumer start.
         self._route: Route = self._choose_route()
 
@@ -196,11 +200,8 @@ class ConsumerClaims:
         self._ride(c)
         if self._riding is None and compat.fast_paths_ok():
             hub = getattr(self.worker, "hub", None)
-            self._line = store_line_for(self.store, self.claimer, self.config.store_timeout_s,
-                                        self._watch(), getattr(hub, "call_soon", None))
-            if self._line is not None:
-                logger.info("celery-crawl: claims and ends go out from the consumer's loop on "
-                            "a claim line to %s, without waiting", self._line.store.url)
+            self.lines.open(self.store, self.claimer, self.config.store_timeout_s,
+                            self._watch(), getattr(hub, "call_soon", None))
         self._route = self._choose_route()
         # The consumer's loop runs on this thread.
         self._loop_ident = threading.get_ident()
@@ -226,7 +227,8 @@ class ConsumerClaims:
         if self._riding is not None:
             return Ridden(take_claim=self.rides.take, ride_end=self.rides.end, **common)
         if self._line is not None:
-            return ClaimLine(send_claim=self._send_claim, send_end=self._send_end, **common)
+            return ClaimLine(send_claim=self.lines.send_claim, send_end=self.lines.send_end,
+                             **common)
         return OffThread(**common)
 
     def _ride(self, c: Any) -> None:
@@ -251,10 +253,11 @@ class ConsumerClaims:
         return add, remove
 
     def _close_line(self) -> None:
-        """Wait for the replies of what the loop sent on the claim line, and close it."""
-        line, self._line = self._line, None
-        if line is not None:
-            line.line.drain()
+        self.lines.close()
+
+    @property
+    def _line(self) -> StoreLine | None:
+        return self.lines.line
 
     def _unride(self) -> None:
         self.rides.unride()
@@ -374,22 +377,6 @@ class ConsumerClaims:
             self._in_loop(fn)
         else:
             fn()
-
-    def _send_claim(self, held: Held) -> bool:
-        """Loop: send a fresh delivery's claim on the claim line (False: not sent)."""
-        line = self._line
-        lease = self.keeper.lease if self.keeper else None
-        if line is None or lease is None:
-            return False
-
-        def undecided() -> None:
-            self._offload.submit(functools.partial(self._decide_off_loop, held, None))
-
-        def unknown() -> None:
-            self._offload.submit(functools.partial(self._decide_off_loop, held, lease))
-
-        return line.claim(held, lease, lambda d: self._apply_later(held, d, lease),
-                          undecided, unknown)
 
     def _decide_off_loop(self, held: Held, unknown_under: Lease | None
                          ) -> Callable[[], None]:
@@ -563,28 +550,6 @@ class ConsumerClaims:
         tombstone is written before the ack, as on the synchronous path."""
 
         self._offload.submit_item("finish", (held, state, requeue, settle))
-
-    def _send_end(self, held: Held, state: str, requeue: bool,
-                  settle: Callable[[], Any]) -> bool:
-        """Loop: send a run's end on the claim line and settle its message once the reply
-        came (the tombstone is written before the ack); False: not sent (nothing done)."""
-        line = self._line
-        lease = self.keeper.lease if self.keeper else None
-        if (line is None or lease is None or held.token is None
-                or lease.name != held.lease_name):
-            return False
-        held.handoff = finishing.take(held.task_id)
-        if not self._the_desk.ending(held):  # released meanwhile: nothing to record
-            requests.settle_unless_fenced(held, settle)
-            return True
-
-        def ended(error: CrawlError | None) -> None:
-            self._ride_ended(held, state, requeue, error)  # the same outcomes as a ridden end
-            requests.settle_unless_fenced(held, settle)
-
-        if not line.end(held, state, requeue, lease, ended):
-            ended(StoreUnavailable("the claim line is down"))
-        return True
 
     def _complete_batch(self, ends: list[tuple[Held, str, bool, Callable[[], Any]]]
                         ) -> list[Callable[[], None]]:
