@@ -1,7 +1,7 @@
 """Task claims of one worker: what to do with a delivery, and what to write when it ends.
 
 This module does not import Celery: it talks to a ``LeaseStore`` and returns decisions that the
-consumer step (``claim_step.py``) carries out on Celery's objects.
+consumer's claims (``consumer_claims.py``) carry out on Celery's objects.
 
 A delivery of task ``id`` is decided in this order (one ``get_many_versioned`` and one
 ``claim_unless_changed``):

@@ -14,7 +14,8 @@ that depend on it:
   earlier run cannot delete a later claim of the same lease;
 * the lease a decision was made under is returned with it.
 
-The consumer step (``claim_step.py``) moves messages and calls this; paths only carry commands.
+The consumer's claims (``consumer_claims.py``) move messages and call this; routes only carry
+commands.
 """
 
 from __future__ import annotations

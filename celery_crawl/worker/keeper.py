@@ -17,7 +17,7 @@ the reaper's grace.
 Every change of the lease (taken, lost) bumps a *generation*; ``state()`` returns the generation
 with the lease under one lock. The consumer side applies states, not events: whatever order its
 event loop runs the notifications in, it compares the generation it last applied with the current
-one and reconciles to the current state in one step (``claim_step.ClaimStep._reconcile``).
+one and reconciles to the current state in one step (``lease_loss.LeaseLoss.reconcile``).
 
 Periodic hooks (the reaper, keeping our unacked broker entries fresh, retrying completion writes
 that failed) run on a second thread, so a slow broker or a long reaper pass never delays renewal.

@@ -2,10 +2,11 @@
 
 ``LeaseStep`` lives as long as the worker: it checks the setup, opens the lease store (main
 process only - prefork children never see it), takes the worker lease and starts the renewal
-thread with the reaper. What happens to deliveries is the consumer step's
-(``claim_step.ClaimStep``); the two meet through ``claim_step`` (a ``ClaimSide`` handle), which
-the consumer step sets when Celery builds the consumer (before any step starts), and through the
-lease machinery this step hands it in ``start``. This module does not import the claim step.
+thread with the reaper. What happens to deliveries is the consumer's claims'
+(``consumer_claims.ConsumerClaims``, built by ``claim_step.ClaimStep``); the two meet through
+``claim_step`` (a ``ClaimSide`` handle), which the consumer's claims set when Celery builds the
+consumer (before any step starts), and through the lease machinery this step hands them in
+``start``. This module does not import the claim step.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .stats import flat_stats
 
 
 class ClaimSide(Protocol):
-    """What the worker step needs of the consumer's claim step (``claim_step.ClaimStep``),
+    """What the worker step needs of the consumer's claims (``consumer_claims.ConsumerClaims``),
     which registers itself here: the two share state through this handle, not through each
     other's modules (no import circle)."""
 

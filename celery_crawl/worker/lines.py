@@ -9,7 +9,7 @@ pending command: each learns it got no reply (None) and does what an unknown out
 
 Used for ridden acks (``riding.py``: the ack and its end in one script on the broker's server)
 and for the claims and ends of deliveries when the lease store is a Redis server of its own
-(``claim_step.py``: a RabbitMQ broker, say). Celery-free.
+(``line_wiring.py``: a RabbitMQ broker, say). Celery-free.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ whatever the client does next, and the reply only says whether the end must go t
 (an error, or no reply: the ack may or may not have been made; the done tombstone drops a
 redelivery either way) or a parked copy be woken (a hand-off).
 
-This module does not import Celery; ``ClaimStep`` installs the hooks through
+This module does not import Celery; ``ride_wiring.RideWiring`` installs the hooks through
 ``ridden_transport.hook`` (kombu's Redis transport, subclassed).
 """
 

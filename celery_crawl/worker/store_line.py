@@ -15,7 +15,7 @@ A reply that does not decide (a tombstone or count exists, a live claim holds th
 error) is decided by reading, off the loop; no reply at all (the line failed) means the claim
 may have been made, so it is dropped if it was before the delivery is decided again.
 
-Celery-free: ``ClaimStep`` passes what to do with each outcome.
+Celery-free: ``line_wiring.LineWiring`` passes what to do with each outcome.
 """
 
 from __future__ import annotations
