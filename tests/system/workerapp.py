@@ -33,7 +33,8 @@ from celery_crawl.worker import current_claim, install_worker
 _env = os.environ.get
 
 app = Celery("crawltest", broker=_env("CRAWL_T_BROKER"), backend=_env("CRAWL_T_BACKEND"))
-transport: dict[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 5}
+transport: dict[str, Any] = {"socket_timeout": float(_env("CRAWL_T_BROKER_SOCKET_TIMEOUT", "5")),
+                             "socket_connect_timeout": 5}
 if _env("CRAWL_T_VT"):
     transport.update(visibility_timeout=float(_env("CRAWL_T_VT", "3600")),
                      unacked_restore_interval=1, unacked_restore_throttle=1)
