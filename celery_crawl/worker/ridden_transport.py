@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from kombu.connection import Connection
 from kombu.transport import redis as kombu_redis
 
 from .. import _celery_compat as compat
@@ -106,4 +107,7 @@ def install(app: Any, config: CrawlConfig) -> None:
         logger.warning("celery-crawl: kombu's Redis transport stays; claims and ends do not "
                        "ride in the broker's round trips: %s", refusal)
         return
+    # Shown as the ``redis`` transport it is (the worker's banner, ``as_uri()`` that Flower and
+    # other tools parse), as kombu shows ``pyamqp`` as ``amqp``.
+    Connection.resolve_aliases.setdefault(PATH, "redis")
     app.conf["broker_transport"] = PATH

@@ -29,6 +29,10 @@ def test_a_redis_broker_gets_the_subclassed_transport_and_keeps_its_url() -> Non
     assert cls.Channel.QoS is ridden_transport.QoS
     assert (conn.hostname, conn.port, conn.virtual_host) == ("127.0.0.1", 1, "3")
     assert app.conf.broker_url == "redis://127.0.0.1:1/3"
+    # The worker's banner and tools parsing as_uri() (Flower) see a redis:// URL.
+    stock = Celery("stock", broker="redis://127.0.0.1:1/3", set_as_current=False)
+    assert conn.as_uri() == stock.connection_for_read().as_uri()
+    assert conn.as_uri().startswith("redis://")
 
 
 @pytest.mark.parametrize("broker", ["amqp://guest@127.0.0.1:1//", "rediss://127.0.0.1:1/0",
