@@ -14,6 +14,11 @@ thread (Celery acks from there).
 Lease changes reach the loop as "look again" (``lease_loss.LeaseLoss.reconcile``): once per
 keeper generation, consuming iff a lease is held, and every delivery claimed under a lease other
 than the current one released.
+
+What is here is the glue of the lifecycle's calls; its parts are named modules: ``desk.py`` (the
+lifecycle state), ``routes.py`` (how claims and ends travel), ``celery_requests.py`` (Celery's
+side of a delivery), ``lease_loss.py``, ``recheck.py``, ``ride_wiring.py``, ``line_wiring.py``,
+``park_words.py`` and ``poison.py``. Celery-free: no Celery or kombu import.
 """
 
 from __future__ import annotations
@@ -62,9 +67,6 @@ from .store_line import StoreLine
 __all__ = ["ConsumerClaims"]
 
 logger = logging.getLogger("celery_crawl.worker")
-
-_Ack = Callable[..., Any]
-
 
 class ConsumerClaims:
     """The consumer's claims: every delivery is claimed before Celery builds its request.
