@@ -27,6 +27,9 @@ that publishes it). ``self.remaining()`` gives the time left. Every task publish
 task with a deadline (``apply_async``, chains, groups, chords) gets the deadline header, an
 ``expires`` no later than the deadline and time limits (``timelimit``; enforced by the prefork
 pool, ignored by others) no longer than the time left, so a chain never outlives its caller.
+A task message is published without the broker's per-message TTL (AMQP ``expiration``, which
+Celery derives from ``expires``): an expired task is revoked by the worker that receives it, so
+it always ends in a recorded ``REVOKED`` instead of vanishing from a RabbitMQ queue.
 """
 
 from __future__ import annotations
@@ -231,6 +234,26 @@ def _propagate_deadline(sender: Any = None, headers: dict[str, Any] | None = Non
 
 before_task_publish.connect(_propagate_deadline, weak=False,
                             dispatch_uid="celery_crawl.tasks.propagate_deadline")
+
+
+def _keep_expiring_messages(sender: Any = None, headers: dict[str, Any] | None = None,
+                            properties: dict[str, Any] | None = None, **_: Any) -> None:
+    """Publish a task with ``expires`` without the broker's per-message TTL.
+
+    Celery turns ``expires`` into AMQP's ``expiration`` property as well. RabbitMQ then discards
+    the message once it expires in the queue - which, with ``task_acks_late`` filling the
+    prefetch window with running tasks, is before any worker saw it: nothing records it, and a
+    caller, chain or chord waiting on it waits for ever. Without the property the message stays
+    queued until a worker takes it, and the worker revokes it as expired (the ``expires``
+    header), recording ``REVOKED`` and counting it into its chord, on every broker.
+    """
+    if properties is None or headers is None or "task" not in headers:
+        return
+    properties.pop("expiration", None)
+
+
+before_task_publish.connect(_keep_expiring_messages, weak=False,
+                            dispatch_uid="celery_crawl.tasks.keep_expiring_messages")
 
 
 # -- the task base ---------------------------------------------------------------------------
