@@ -30,6 +30,7 @@ from .errors import (
     StoreError,
     StoreTimeout,
     StoreUnavailable,
+    TaskIdReused,
     UnsupportedSetup,
 )
 from .leases import Claim, Lease, LeaseStore, open_store
@@ -66,6 +67,7 @@ __all__ = [
     "StoreError",
     "StoreTimeout",
     "StoreUnavailable",
+    "TaskIdReused",
     "TzCron",
     "UnsupportedSetup",
     "__version__",

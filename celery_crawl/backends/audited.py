@@ -66,6 +66,8 @@ from redis import exceptions as redis_errors
 
 from .. import _finishing as finishing
 from .. import _issued as issued
+from .._canvas import META_FIELD as CANVAS_FIELD
+from .._canvas import canvas_key
 from .._celery_compat import call_task_errbacks, fail_chain, max_value_size, result_meta
 from ..config import CrawlConfig, mask_url
 from ..errors import (
@@ -617,6 +619,12 @@ class AuditedRedisBackend(RedisBackend):
         rollback = getattr(request, "crawl_rollback", None) if request is not None else None
         if rollback:
             meta["crawl_rollback"] = rollback
+        if request is not None and state in states.READY_STATES:
+            # Which canvas this outcome went to: a later copy of the message from another
+            # canvas gets it replayed (celery_crawl.worker.replay).
+            canvas = canvas_key(lambda name: getattr(request, name, None))
+            if canvas is not None:
+                meta[CANVAS_FIELD] = canvas
         return meta
 
     def encode_meta(self, meta: dict[str, Any]) -> tuple[str, str]:

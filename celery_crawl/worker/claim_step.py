@@ -45,6 +45,7 @@ from ..config import CrawlConfig
 from ..errors import CrawlError, LeaseLost, PoisonMessage, StoreError, StoreUnavailable
 from ..leases.base import Lease, LeaseStore
 from ..leases.redis import RedisLeaseStore
+from . import replay
 from .backlog import Backlog
 from .broker import BrokerOps
 from .claims import (
@@ -642,7 +643,10 @@ class ClaimStep(bootsteps.StartStopStep):
             logger.warning("celery-crawl: %s[%s] already finished (done tombstone) and handed "
                            "its id on to no newer message; dropping this delivery as a "
                            "duplicate", held.task_name, held.task_id)
-            self._call_ack(held)
+            # Its canvas gets the finished run's outcome before the ack (replay.py).
+            replay.then_ack(self.app, held.task_name, held.task_id, held.message, self.hostname,
+                            functools.partial(self._call_ack, held),
+                            self._offload.submit if self._offloading() else None)
         elif outcome is Outcome.PARK:
             held.parked = True
             held.holder = decision.holder
