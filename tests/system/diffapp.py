@@ -63,6 +63,10 @@ def _tasks(app: Celery, mode: str) -> SimpleNamespace:
     def add(x: int, y: int) -> int:
         return x + y
 
+    @app.task(name=f"{mode}.identity", shared=False)
+    def identity(x: Any) -> Any:
+        return x
+
     @app.task(name=f"{mode}.tsum", shared=False)
     def tsum(values: list[int]) -> int:
         return sum(values)
@@ -107,9 +111,9 @@ def _tasks(app: Celery, mode: str) -> SimpleNamespace:
         child = add.apply_async((2, 3))
         return [blocker.id, child.id]
 
-    return SimpleNamespace(add=add, tsum=tsum, tsum_record=tsum_record, record=record,
-                           boom=boom, on_error=on_error, block=block, retry_later=retry_later,
-                           spawn=spawn)
+    return SimpleNamespace(add=add, identity=identity, tsum=tsum, tsum_record=tsum_record,
+                           record=record, boom=boom, on_error=on_error, block=block,
+                           retry_later=retry_later, spawn=spawn)
 
 
 stock = _app("stock")

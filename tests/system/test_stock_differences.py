@@ -9,6 +9,7 @@ package is not in the wheel), so its cases for these differences are written out
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import socket
@@ -21,7 +22,7 @@ from typing import Any
 
 import celery
 import pytest
-from celery import chain, chord, states
+from celery import chain, chord, group, states
 from celery.exceptions import TaskRevokedError
 
 from celery_crawl.tasks import deadline_headers
@@ -66,12 +67,22 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
     mp.undo()
 
 
+@pytest.fixture(scope="module")
+def diff_redis() -> Iterator[RedisServer]:
+    """One redis-server for both brokers' stacks: results of the first stack collected as
+    garbage during the second unsubscribe from a live server (``tests/conftest.py``)."""
+    server = RedisServer().start()
+    yield server
+    gc.collect()
+    server.cleanup()
+
+
 @pytest.fixture(scope="module", params=["rabbit", "redis"])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-          monkeypatch_module: pytest.MonkeyPatch) -> Iterator[Stack]:
-    server = RedisServer().start()
+          monkeypatch_module: pytest.MonkeyPatch, diff_redis: RedisServer) -> Iterator[Stack]:
+    server = diff_redis
     broker = (request.getfixturevalue("rabbit_url") if request.param == "rabbit"
-              else server.url_db(1))
+              else server.url_db(1))  # the Redis stack's broker; each stack has its own queues
     env = {"DIFF_REDIS_PORT": str(server.port), "DIFF_BROKER": broker,
            "DIFF_QUEUE": f"diff-{uuid.uuid4().hex[:8]}"}
     for key, value in env.items():
@@ -92,7 +103,6 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     finally:
         for proc in st.workers.values():
             proc.stop()
-        server.cleanup()
 
 
 def _t(mode: str) -> Any:
@@ -127,6 +137,7 @@ def test_an_expiring_task_queued_behind_a_full_prefetch_window(stack: Stack, mod
     gate, blocker = _hold_the_slot(stack, t)
     sent = datetime.now(UTC)
     expiring = t.add.apply_async((1, 1), expires=1)
+    at_instant = t.add.apply_async((1, 2), expires=sent + timedelta(seconds=1))
     in_chord = chord([t.add.si(2, 2), t.add.si(3, 3).set(expires=1)], t.tsum.s()).apply_async()
     _past(sent + timedelta(seconds=2))
     stack.side().set(f"gate:{gate}", 1)
@@ -136,13 +147,15 @@ def test_an_expiring_task_queued_behind_a_full_prefetch_window(stack: Stack, mod
     assert blocker.get(timeout=TIMEOUT_S) == gate
     if mode == "stock" and stack.broker == "rabbit":
         assert expiring.state == states.PENDING  # vanished
+        assert at_instant.state == states.PENDING
         assert in_chord.state == states.PENDING
         return
     wait_until(lambda: expiring.state == states.REVOKED, TIMEOUT_S, what="REVOKED")
     print(f"\n[{stack.broker}/{mode}] expired task REVOKED "
           f"{time.monotonic() - opened:.2f}s after the slot freed")
-    with pytest.raises(TaskRevokedError, match="expired"):
-        expiring.get(timeout=TIMEOUT_S)
+    for result in (expiring, at_instant):
+        with pytest.raises(TaskRevokedError, match="expired"):
+            result.get(timeout=TIMEOUT_S)
     with pytest.raises(Exception, match=r"expired|Dependency"):
         in_chord.get(timeout=TIMEOUT_S)
     assert in_chord.state == states.FAILURE
@@ -207,6 +220,31 @@ def test_a_reused_id_in_a_second_canvas_completes_or_fails_it(stack: Stack, mode
             c.apply_async().get(timeout=TIMEOUT_S)
         wait_until(lambda n=n: stack.side().llen(f"errbacks:{bad}-{n}"), TIMEOUT_S,
                    what=f"chord {n}'s errback")
+
+
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+@pytest.mark.parametrize("mode", MODES)
+def test_one_failing_signature_in_a_header_then_in_a_body(stack: Stack, mode: str) -> None:
+    """Celery's ``test_mutable_errback_called_by_chord_from_group``: one frozen failing
+    signature in a chord's header group, then in another chord's body group, errbacks linked
+    to both chords. The second chord fails too and calls its errback for that signature's id
+    (with the plugins, from the first run's recorded FAILURE)."""
+    t = _t(mode)
+    key = uuid.uuid4().hex[:10]
+    fail_sig = t.boom.s()
+    fail_id = fail_sig.freeze().id
+    first = chord((group(t.identity.si(42), fail_sig),), t.identity.s())
+    first.link_error(t.on_error.s(key=f"{key}-1"))
+    with pytest.raises(ValueError, match="boom"):
+        first.delay().get(timeout=TIMEOUT_S)
+    wait_until(lambda: stack.side().llen(f"errbacks:{key}-1"), TIMEOUT_S, what="errback 1")
+    second = chord((t.identity.si(42),), group(t.identity.si(42), fail_sig))
+    second.link_error(t.on_error.s(key=f"{key}-2"))
+    with pytest.raises(ValueError, match="boom"):
+        second.delay().get(timeout=TIMEOUT_S)
+    wait_until(lambda: stack.side().llen(f"errbacks:{key}-2"), TIMEOUT_S, what="errback 2")
+    assert [json.loads(v) for v in stack.side().lrange(f"errbacks:{key}-2", 0, -1)] == [
+        [fail_id, "ValueError"]]
 
 
 @pytest.mark.parametrize("mode", MODES)
