@@ -11,8 +11,9 @@ the one the finished run's result went to (the audited backend stores it beside 
   to its callbacks and the next link of its chain, as Celery's tracer does after a run;
 * another canvas, a recorded FAILURE or REVOKED: its chord part, chain and errbacks get it, as
   Celery's ``mark_as_failure`` / ``mark_as_revoked`` give them;
-* no outcome recorded (expired, ``ignore_result``, a run that never stored one): the message's
-  canvas fails with ``TaskIdReused``, naming the id, instead of waiting.
+* no outcome recorded (expired, a run that never stored one): the message's canvas fails with
+  ``TaskIdReused``, naming the id, instead of waiting. A task that ignores its result records
+  none by design: a redelivery of it cannot be told from a reuse, so nothing is sent (logged).
 
 ``plan`` is the decision, Celery-free; ``replay_dropped`` carries it out through the task's
 result backend and the app's producer. A backend other than the audited one stores no canvas
@@ -91,6 +92,12 @@ def replay_dropped(app: Any, task_name: str, task_id: str, message: Any, hostnam
     backend = task.backend if task is not None else app.backend
     meta = backend.get_task_meta(task_id, cache=False)
     action = plan(dropped_canvas, meta)
+    if action == REUSED and (ctx.ignore_result or getattr(task, "ignore_result", False)):
+        # Its runs record no outcome, so a redelivery cannot be told from a reuse: failing a
+        # canvas that already had the outcome would be worse than leaving a reuse waiting.
+        logger.warning("celery-crawl: %s[%s] ignores its result: its dropped duplicate's "
+                       "canvas gets nothing (use a new id to run it again)", task_name, task_id)
+        return NOTHING
     if action == SUCCEEDED:
         _succeed(app, backend, ctx, task_id, meta.get("result"))
     elif action == FAILED:
