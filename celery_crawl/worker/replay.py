@@ -9,8 +9,9 @@ the one the finished run's result went to (the audited backend stores it beside 
 * the same canvas (the same delivery again): it had the outcome; nothing is sent;
 * another canvas, the run's recorded SUCCESS: it is counted into the message's chord and passed
   to its callbacks and the next link of its chain, as Celery's tracer does after a run;
-* another canvas, a recorded FAILURE or REVOKED: its chord part, chain and errbacks get it, as
-  Celery's ``mark_as_failure`` / ``mark_as_revoked`` give them;
+* another canvas, a recorded FAILURE or REVOKED: its chord part, the rest of its chain (marked
+  FAILURE) and its errbacks get it, as Celery's ``mark_as_failure`` / ``mark_as_revoked`` give
+  them;
 * no outcome recorded (expired, a run that never stored one): the message's canvas fails with
   ``TaskIdReused``, naming the id, instead of waiting. A task that ignores its result records
   none by design: a redelivery of it cannot be told from a reuse, so nothing is sent (logged).
@@ -30,6 +31,7 @@ from celery import group, signature, states
 from celery.app.task import Context
 
 from .._canvas import META_FIELD, canvas_key
+from .._celery_compat import call_task_errbacks, fail_chain
 from ..errors import TaskIdReused
 
 __all__ = ["FAILED", "NOTHING", "REUSED", "SUCCEEDED", "plan", "replay_dropped", "then_ack"]
@@ -106,7 +108,7 @@ def replay_dropped(app: Any, task_name: str, task_id: str, message: Any, hostnam
             if ctx.chord:
                 backend.on_chord_part_return(ctx, states.REVOKED, exc)
         else:
-            backend.mark_as_failure(task_id, exc, request=ctx, store_result=False)
+            _fail(backend, ctx, exc, meta.get("traceback"))
     elif action == REUSED:
         exc = TaskIdReused(
             f"{task_name}[{task_id}]: this id already ran (a message under it finished) and "
@@ -115,6 +117,18 @@ def replay_dropped(app: Any, task_name: str, task_id: str, message: Any, hostnam
             "by design: give each canvas its own ids)")
         backend.mark_as_failure(task_id, exc, request=ctx, store_result=True)
     return action
+
+
+def _fail(backend: Any, ctx: Context, exc: BaseException, traceback: Any) -> None:
+    """What Celery's ``mark_as_failure`` does after a failed run, except storing the failure
+    again under the task's own id (the finished run's is there): the chord part, the rest of
+    the chain marked FAILURE (so a caller waiting on its last task sees it), the errbacks."""
+    if ctx.chord:
+        backend.on_chord_part_return(ctx, states.FAILURE, exc)
+    fail_chain(backend, getattr(ctx, "chain", None), exc, traceback, store_result=True,
+               state=states.FAILURE)
+    if ctx.errbacks:
+        call_task_errbacks(backend, ctx, exc, traceback)
 
 
 def _succeed(app: Any, backend: Any, ctx: Context, task_id: str, retval: Any) -> None:

@@ -228,10 +228,11 @@ def test_a_reused_id_in_a_second_canvas_completes_or_fails_it(stack: Stack, mode
 @pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
 @pytest.mark.parametrize("mode", MODES)
 def test_one_failing_signature_in_a_header_then_in_a_body(stack: Stack, mode: str) -> None:
-    """Celery's ``test_mutable_errback_called_by_chord_from_group``: one frozen failing
-    signature in a chord's header group, then in another chord's body group, errbacks linked
-    to both chords. The second chord fails too and calls its errback for that signature's id
-    (with the plugins, from the first run's recorded FAILURE)."""
+    """Celery's ``test_mutable_errback_called_by_chord_from_group`` (and ``..._from_chain``):
+    one frozen failing signature in a chord's header group, then in another chord's body group,
+    then in the middle of a third chord's body chain, errbacks linked to each. Each later chord
+    fails too and calls its errback (with the plugins, from the first run's recorded FAILURE,
+    which also marks the rest of the chain FAILURE)."""
     t = _t(mode)
     key = uuid.uuid4().hex[:10]
     fail_sig = t.boom.s()
@@ -248,6 +249,12 @@ def test_one_failing_signature_in_a_header_then_in_a_body(stack: Stack, mode: st
     wait_until(lambda: stack.side().llen(f"errbacks:{key}-2"), TIMEOUT_S, what="errback 2")
     assert [json.loads(v) for v in stack.side().lrange(f"errbacks:{key}-2", 0, -1)] == [
         [fail_id, "ValueError"]]
+    # ``..._from_chain``: in the middle of a body chain, the caller waits on the chain's end.
+    third = chord((t.identity.si(42),), chain(t.identity.si(1), fail_sig, t.identity.si(2)))
+    third.link_error(t.on_error.s(key=f"{key}-3"))
+    with pytest.raises(ValueError, match="boom"):
+        third.delay().get(timeout=TIMEOUT_S)
+    wait_until(lambda: stack.side().llen(f"errbacks:{key}-3"), TIMEOUT_S, what="errback 3")
 
 
 @pytest.mark.parametrize("mode", MODES)
