@@ -35,7 +35,8 @@ MODE = _env("TP_MODE", "stock")
 app = Celery("tp", broker=_env("TP_BROKER"), backend=_env("TP_BACKEND"))
 app.conf.update(
     broker_connection_retry_on_startup=True,
-    broker_transport_options={"socket_timeout": 5, "socket_connect_timeout": 5},
+    # crawl_store_timeout's default: riding needs kombu's writes bounded by it (ride_gate.py).
+    broker_transport_options={"socket_timeout": 2, "socket_connect_timeout": 5},
     task_serializer="json",
     result_serializer="json",
     accept_content=["json"],

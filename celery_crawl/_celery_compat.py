@@ -1,11 +1,20 @@
-"""Every private Celery, kombu and redis-py name the package uses, behind small named functions.
+"""Every private or version-specific Celery, kombu and redis-py name the package uses, behind
+small named functions, with the versions each variant was checked against.
 
-Checked against Celery 5.7.0 and kombu 5.7.0. These names are not public API, so an upgrade
-may remove or change them without notice; keeping them in one module makes the exposure
-visible and testable: tests/unit/test_celery_compat.py asserts each name in
-``PRIVATE_NAMES`` and ``BACKEND_OVERRIDES`` still exists on the real class or object, and that
-no other module of the package touches one of them (an override extending its base through
-``super()`` is the one allowed use).
+Checked against celery 5.4.0, 5.5.3, 5.6.3 and 5.7.0; kombu 5.4.2, 5.5.4, 5.6.2 and 5.7.0; redis-py
+5.2.1, 6.4.0 and 8.2.0 (what each of those kombu releases pulls in), billiard 4.2 and 4.3. These
+names are not public API, so an upgrade may remove or change them without notice; keeping them in
+one module makes the exposure visible and testable: tests/unit/test_celery_compat.py asserts, on
+the installed versions, that each name in ``PRIVATE_NAMES`` exists exactly where ``SINCE`` says it
+does, that each fallback keeps that version's stock behaviour, and that no other module of the
+package touches one of them (an override extending its base through ``super()`` is the one allowed
+use). ``.ci/run`` runs those tests on every supported minor.
+
+Where a name exists only from some version on (``SINCE``), the function below has a fallback
+for the versions before it that does what stock Celery of that version does. A Celery, kombu or
+redis-py outside ``TESTED`` gets one warning at worker and beat start (``warn_untested``), and the
+fast paths tied to internals (``fast_paths_ok``) turn themselves off: the worker then uses its
+default path, which needs only the names above.
 
 Imports nothing of the package, so every part may use it.
 """
@@ -13,9 +22,11 @@ Imports nothing of the package, so every part may use it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
+from importlib import metadata
 from typing import Any, cast
 
 __all__ = [
@@ -24,15 +35,23 @@ __all__ = [
     "KOMBU_ERROR",
     "PRIVATE_NAMES",
     "SENT",
+    "SINCE",
+    "TESTED",
+    "at_least",
     "call_task_errbacks",
     "cancel_quietly",
+    "cancel_request",
     "channel_gone",
     "config_source",
     "exec_options",
     "fail_chain",
+    "failure_expires",
+    "fast_paths_ok",
     "forget_unacked_locally",
     "guard_connection_close",
+    "installed_versions",
     "max_value_size",
+    "pool_connection",
     "priority_queue_key",
     "redis_channel_server",
     "redis_socket",
@@ -43,12 +62,34 @@ __all__ = [
     "ride_redis_acks",
     "task_registry",
     "threads_pool_future",
+    "untested_versions",
+    "warn_untested",
 ]
 
 logger = logging.getLogger("celery_crawl.worker")
 
-#: The versions these names were checked against.
-CHECKED_AGAINST = {"celery": "5.7.0", "kombu": "5.7.0"}
+#: The releases every name and fallback below was checked against (``.ci/run`` tests each).
+CHECKED_AGAINST: dict[str, tuple[str, ...]] = {
+    "celery": ("5.4.0", "5.5.3", "5.6.3", "5.7.0"),
+    "kombu": ("5.4.2", "5.5.4", "5.6.2", "5.7.0"),
+    "redis": ("5.2.1", "6.4.0", "8.2.0"),
+}
+
+#: The tested range per distribution, as (first, last) ``major.minor``, both included.
+TESTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "celery": ((5, 4), (5, 7)),
+    "kombu": ((5, 4), (5, 7)),
+    "redis": ((5, 2), (8, 2)),
+}
+
+#: Private names that exist only from a release on: ``module:Class.name`` -> (distribution,
+#: first ``major.minor`` that has it). Before it, the function using the name falls back to
+#: what stock Celery of that version does.
+SINCE: dict[str, tuple[str, tuple[int, int]]] = {
+    "celery.worker.request:Request._eta_timer_entry": ("celery", (5, 7)),
+    "celery.backends.redis:RedisBackend._fail_chain": ("celery", (5, 7)),
+    "celery.backends.redis:RedisBackend.failure_expires": ("celery", (5, 7)),
+}
 
 #: ``module:Class`` -> the private names of it used below (class or instance attributes).
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
@@ -61,7 +102,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "kombu.transport.redis:Channel": ("_q_for_pri", "_create_client"),
     "kombu.transport.redis:QoS": ("_remove_from_indices",),
     "celery.backends.redis:RedisBackend": (
-        "_fail_chain", "_call_task_errbacks", "_get_result_meta", "_MAX_STR_VALUE_SIZE"),
+        "_fail_chain", "_call_task_errbacks", "_get_result_meta", "_MAX_STR_VALUE_SIZE",
+        "failure_expires"),
     "redis.connection:Connection": ("_sock",),
 }
 
@@ -89,6 +131,72 @@ SENT = object()
 #: Prefix of the error a ridden script answers when kombu's own writes in it failed (nothing
 #: else in it ran): raised to kombu's caller without the prefix, as kombu would have raised it.
 KOMBU_ERROR = "KOMBU "
+
+
+# -- versions --------------------------------------------------------------------------------
+def _minor(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+@functools.cache
+def installed_versions() -> dict[str, str]:
+    """The installed release of each distribution in ``TESTED`` ("" when not installed)."""
+    found: dict[str, str] = {}
+    for dist in TESTED:
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[dist] = ""
+    return found
+
+
+def at_least(dist: str, minor: tuple[int, int]) -> bool:
+    """Whether the installed ``dist`` is at least release ``minor`` (False when unknown)."""
+    got = _minor(installed_versions()[dist])
+    return got is not None and got >= minor
+
+
+def untested_versions(versions: Mapping[str, str] | None = None) -> list[str]:
+    """``"celery 5.8.0 (tested: 5.4-5.7)"`` for each installed release outside ``TESTED``."""
+    versions = installed_versions() if versions is None else versions
+    out = []
+    for dist, (first, last) in TESTED.items():
+        got = _minor(versions.get(dist, ""))
+        if got is None or not first <= got <= last:
+            out.append(f"{dist} {versions.get(dist) or '(unknown)'} (tested: "
+                       f"{first[0]}.{first[1]}-{last[0]}.{last[1]})")
+    return out
+
+
+_warned: set[str] = set()
+
+
+def warn_untested(what: str, versions: Mapping[str, str] | None = None) -> bool:
+    """Log one warning per process and component when a release outside ``TESTED`` is
+    installed; True when every release is tested.
+
+    Nothing degrades silently: the warning names the releases, and ``fast_paths_ok`` is then
+    False, so the worker keeps to its default path.
+    """
+    untested = untested_versions(versions)
+    if untested and what not in _warned:
+        _warned.add(what)
+        logging.getLogger("celery_crawl.compat").warning(
+            "celery-crawl %s: %s outside the tested range; the fast paths tied to their "
+            "internals are off, and private names are reached through fallbacks that keep "
+            "stock behaviour where one exists (see docs/design.md, \"Supported versions\")",
+            what, ", ".join(untested))
+    return not untested
+
+
+def fast_paths_ok(versions: Mapping[str, str] | None = None) -> bool:
+    """Whether the paths tied to kombu's and redis-py's internals (claims riding kombu's round
+    trips, the claim and ack lines) may run: only on tested releases."""
+    return not untested_versions(versions)
 
 
 # -- app and tasks ---------------------------------------------------------------------------
@@ -124,14 +232,53 @@ def threads_pool_future(req: Any) -> Any:
     return getattr(req._apply_result(), "f", None)
 
 
-def cancel_quietly(req: Any) -> None:
+def cancel_quietly(req: Any, timer: Any = None) -> None:
     """Keep Celery from announcing a request as revoked or retried (its task runs elsewhere)
-    and cancel its ETA timer, before the request is cancelled."""
+    and cancel its ETA timer, before the request is cancelled.
+
+    Celery 5.7 keeps a scheduled request's timer entry on the request; before it, the entry is
+    found in the consumer's ``timer`` by the request it was given (``strategy`` calls
+    ``call_at(eta, apply_eta_task, (req,))`` on 5.4-5.6).
+    """
     req._already_cancelled = True
     entry = getattr(req, "_eta_timer_entry", None)
-    if entry is not None:
+    if entry is None and timer is not None:
         with contextlib.suppress(Exception):
+            # ``Timer.queue`` lists ``scheduled(eta, priority, entry)`` tuples.
+            entries = (getattr(item, "entry", item) for item in timer.queue)
+            entry = next((e for e in entries
+                          if tuple(getattr(e, "args", ()) or ())[:1] == (req,)), None)
+    if entry is None:
+        return
+    with contextlib.suppress(Exception):
+        if timer is not None:
+            timer.cancel(entry)
+        else:
             entry.cancel()
+
+
+def cancel_request(req: Any, pool: Any, signum: int) -> None:
+    """Terminate a running request's job without announcing a retry (its task runs elsewhere).
+
+    Celery 5.4 and 5.6+ take ``emit_retry=False``; 5.5's ``cancel`` has no such argument and
+    always writes RETRY, so there the job is terminated as ``cancel`` would, without the
+    announcement.
+    """
+    import inspect
+
+    if "emit_retry" in inspect.signature(req.cancel).parameters:
+        req.cancel(pool, signal=signum, emit_retry=False)
+        return
+    from celery.worker.state import task_ready
+
+    if req.time_start:
+        pool.terminate_job(req.worker_pid, signum)
+        task_ready(req)
+        req.send_event("task-cancelled")
+    if req._apply_result is not None:
+        obj = req._apply_result()
+        if obj is not None:
+            obj.terminate(signum)
 
 
 # -- kombu messages and channels -------------------------------------------------------------
@@ -186,6 +333,14 @@ def redis_channel_server(channel: Any) -> dict[str, Any] | None:
     if not isinstance(kwargs, Mapping) or not (kwargs.get("host") or kwargs.get("path")):
         return None
     return {k: kwargs.get(k) for k in ("host", "port", "db", "path")}
+
+
+def pool_connection(pool: Any) -> Any:
+    """A connection from a redis-py pool: redis-py 5.3 and later take no command name, and
+    warn when given one; earlier releases (5.2.1, which kombu 5.5 pins) require it."""
+    if at_least("redis", (5, 3)):
+        return pool.get_connection()
+    return pool.get_connection("_")
 
 
 def redis_socket(conn: Any) -> Any:
@@ -316,10 +471,36 @@ def max_value_size(backend: Any) -> int:
     return size
 
 
+def failure_expires(backend: Any) -> Any:
+    """How long a FAILURE result is kept: ``result_failure_expires`` (Celery 5.7), else
+    ``result_expires`` as on Celery 5.4-5.6, which has no separate setting."""
+    return getattr(backend, "failure_expires", backend.expires)
+
+
 def fail_chain(backend: Any, chain: Any, exc: Any, traceback: Any, *, store_result: bool,
                state: str) -> None:
-    """Mark the rest of a failed task's chain as failed, as Celery's ``mark_as_failure`` does."""
-    backend._fail_chain(chain, exc, traceback, store_result=store_result, state=state)
+    """Mark the rest of a failed task's chain as failed, as Celery's ``mark_as_failure`` does
+    (5.7: ``_fail_chain``; 5.4-5.6: the same steps inline, reproduced here)."""
+    own = getattr(backend, "_fail_chain", None)
+    if own is not None:
+        own(chain, exc, traceback, store_result=store_result, state=state)
+        return
+    from celery import states
+    from celery.app.task import Context
+
+    try:
+        chain_data = iter(chain)
+    except (AttributeError, TypeError):
+        chain_data = iter(())
+    for chain_elem in chain_data:
+        ctx = Context(chain_elem)
+        ctx.update(ctx.options)
+        ctx.id = ctx.options.get("task_id")
+        ctx.group = ctx.options.get("group_id")
+        if store_result and state in states.PROPAGATE_STATES and ctx.task_id is not None:
+            backend.store_result(ctx.task_id, exc, state, traceback=traceback, request=ctx)
+        if "chord" in ctx.options:
+            backend.on_chord_part_return(ctx, state, exc)
 
 
 def call_task_errbacks(backend: Any, request: Any, exc: Any, traceback: Any) -> None:

@@ -3,11 +3,12 @@
 With the Redis lease store on its server, the audited result backend checks that a result
 write's claim token was issued (``token <= GET {namespace}:token``), so that a token forged
 into a task message cannot pass. In a worker running the plugins no forged token reaches a
-request: the claim step removes ``crawl_claim_token`` from every message it receives (either
-task protocol) and sets it only from the reply of a claim the store issued, before Celery builds
-the request. There the check could only confirm what the worker already knows, at the price of
-one round trip on almost every write (a new task's token is above every counter value the
-backend read before it).
+request: the claim step removes ``crawl_claim_token`` from every message it receives, wherever
+the message carries it (headers, the protocol-2 embed Celery merges over them, a protocol-1
+body: ``worker/unforged.py``), and sets it only from the reply of a claim the store issued,
+before Celery builds the request. There the check could only confirm what the worker already
+knows, at the price of one round trip on almost every write (a new task's token is above every
+counter value the backend read before it).
 
 The claim step vouches when Celery builds the consumer, before a prefork pool forks its
 children, which inherit it. A process nobody vouched for (a stock worker sharing the backend, a

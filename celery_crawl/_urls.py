@@ -22,10 +22,13 @@ __all__ = ["LEASE_SCHEMES", "REDIS_LEASE_SCHEMES", "endpoint", "masked_url", "qu
            "split_credentials"]
 
 #: The schemes ``crawl_lease_url`` accepts (``memory://`` is for tests: ``open_store`` only).
-REDIS_LEASE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+REDIS_LEASE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+sentinel",
+                       "rediss+sentinel")
 LEASE_SCHEMES = (*REDIS_LEASE_SCHEMES, "etcd", "etcd+https", "etcd+http")
 
-_SECRET_OPTIONS = re.compile(r"(?i)([?&](?:password|passwd|pass|token|secret)=)[^&#]*")
+#: ``password=`` and its kin, also prefixed (``sentinel_password=``).
+_SECRET_OPTIONS = re.compile(
+    r"(?i)([?&](?:[a-z0-9]+_)?(?:password|passwd|pass|token|secret)=)[^&#]*")
 
 
 def split_credentials(url: str) -> tuple[str, str | None, str | None, str]:

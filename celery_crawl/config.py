@@ -12,7 +12,8 @@ from ._urls import LEASE_SCHEMES, masked_url
 from .durations import parse_duration
 from .errors import ConfigError
 
-__all__ = ["DEFAULTS", "LEASE_SCHEMES", "CrawlConfig", "mask_url", "plain_redis_url"]
+__all__ = ["DEFAULTS", "LEASE_SCHEMES", "SCHEDULE_SOURCES", "CrawlConfig", "mask_url",
+           "plain_redis_url", "schedule_sources"]
 
 _REDIS_BACKEND_SCHEMES = {"redis": "redis", "rediss": "rediss", "crawlredis": "redis",
                           "crawlrediss": "rediss",
@@ -38,7 +39,12 @@ DEFAULTS: dict[str, Any] = {
     "crawl_audit_maxlen": 1_000_000,
     "crawl_store_timeout": 2.0,
     "crawl_beat_verify_delivery": 0.0,
+    "crawl_schedule_sources": ["files", "beat_schedule"],
+    "crawl_beat_schedule_mismatch": "refuse",
 }
+
+#: Where the beat may take entries from (``crawl_schedule_sources``), in assembly order.
+SCHEDULE_SOURCES = ("files", "beat_schedule", "django_celery_beat")
 
 _MIN_TTL_S = 0.5
 
@@ -69,6 +75,8 @@ class CrawlConfig:
     audit_maxlen: int
     store_timeout_s: float
     beat_verify_delivery_s: float = 0.0
+    schedule_sources: tuple[str, ...] = ("files", "beat_schedule")
+    beat_schedule_mismatch: str = "refuse"
 
     @classmethod
     def from_app(cls, app: Any) -> CrawlConfig:
@@ -80,7 +88,8 @@ class CrawlConfig:
         conf = app.conf
         values = {k: conf.get(k, v) for k, v in DEFAULTS.items()}
         if values["crawl_lease_url"] is None:
-            values["crawl_lease_url"] = plain_redis_url(conf.get("result_backend"))
+            backend = conf.get("result_backend")
+            values["crawl_lease_url"] = plain_redis_url(backend) or sentinel_lease_url(backend)
         if values["crawl_namespace"] is None:
             values["crawl_namespace"] = getattr(app, "main", None) or "celery_crawl"
         if values["crawl_done_ttl"] is None:
@@ -161,6 +170,11 @@ class CrawlConfig:
             raise ConfigError(
                 f"crawl_beat_verify_delivery: {verify:g}s is too short (0 = off, else >= 1s): "
                 "a run must have time to reach a worker before it is looked for")
+        sources = schedule_sources(v["crawl_schedule_sources"])
+        mismatch = v["crawl_beat_schedule_mismatch"]
+        if mismatch not in ("refuse", "warn"):
+            raise ConfigError(f"crawl_beat_schedule_mismatch: {mismatch!r} must be 'refuse' "
+                              "or 'warn'")
         return cls(
             lease_url=url, namespace=namespace, beat_lease_ttl_s=beat_ttl,
             worker_lease_ttl_s=worker_ttl, reaper_interval_s=reaper_s, max_clock_skew_s=skew,
@@ -168,8 +182,29 @@ class CrawlConfig:
             on_lease_loss=on_loss,
             max_deliveries=max_del, done_ttl_s=done_ttl, min_memory_bytes=min_mem_b,
             redis_wait_replicas=replicas, audit_maxlen=maxlen, store_timeout_s=timeout,
-            beat_verify_delivery_s=verify,
+            beat_verify_delivery_s=verify, schedule_sources=sources,
+            beat_schedule_mismatch=mismatch,
         )
+
+
+def schedule_sources(value: object) -> tuple[str, ...]:
+    """``crawl_schedule_sources`` validated: a list of known source names, each once.
+
+    Raises:
+        ConfigError: naming the setting and the bad value.
+    """
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
+        raise ConfigError(f"crawl_schedule_sources: {value!r} must be a list of source names "
+                          f"({', '.join(SCHEDULE_SOURCES)})")
+    for name in value:
+        if name not in SCHEDULE_SOURCES:
+            raise ConfigError(f"crawl_schedule_sources: unknown source {name!r} "
+                              f"(known: {', '.join(SCHEDULE_SOURCES)})")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"crawl_schedule_sources: {list(value)!r} names a source twice")
+    return tuple(value)
 
 
 def plain_redis_url(url: object) -> str | None:
@@ -181,6 +216,19 @@ def plain_redis_url(url: object) -> str | None:
     scheme, rest = url.split("://", 1)
     mapped = _REDIS_BACKEND_SCHEMES.get(scheme.rsplit("+", 1)[-1])
     return f"{mapped}://{rest}" if mapped else None
+
+
+def sentinel_lease_url(url: object) -> str | None:
+    """``redis+sentinel://`` for an audited result backend behind Sentinel whose URL is in the
+    lease store's form (``crawlredis+sentinel://s1,s2,s3/<master>/<db>``, ``crawlsentinel://``),
+    else None (Celery's ``;``-separated form names no master: set ``crawl_lease_url``)."""
+    if not isinstance(url, str) or ";" in url:
+        return None
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("crawlredis+sentinel", "crawlsentinel"):
+        return None
+    first = rest.partition("?")[0].partition("/")[2].strip("/").partition("/")[0]
+    return f"redis+sentinel://{rest}" if first and not first.isdigit() else None
 
 
 def _check_timezone(tz: object) -> None:

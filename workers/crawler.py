@@ -50,7 +50,7 @@ from .http import FetchError, Page, close_process_fetcher, open_process_fetcher,
 from .links import parse_page
 from .observe import CrawlerCollector, Recorder, proxy_label, site_label
 from .politeness import Politeness, PolitenessBusy, domain_of
-from .settings import CrawlerSettings
+from .settings import CrawlerSettings, redis_client
 from .sink import PageRecord, Sink
 
 __all__ = ["app", "backoff_s", "crawl_item", "crawl_listing", "crawl_site", "settings"]
@@ -109,8 +109,8 @@ class _Resources:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5,
-                                          socket_connect_timeout=5, health_check_interval=30)
+        self.redis = redis_client(settings.redis_url, socket_timeout=5,
+                                  socket_connect_timeout=5, health_check_interval=30)
         self.politeness = Politeness(
             self.redis, namespace=settings.namespace, rate_per_s=settings.rate_per_s,
             burst=settings.burst, concurrency=settings.domain_concurrency,
@@ -158,7 +158,7 @@ def _collect_crawler_metrics(**_: Any) -> None:
                                       socket_connect_timeout=2)
     options = app.conf.broker_transport_options or {}
     REGISTRY.register(CrawlerCollector(
-        redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2),
+        redis_client(settings.redis_url, socket_timeout=2, socket_connect_timeout=2),
         namespace=settings.namespace, broker=broker,
         queues=lambda: list(app.amqp.queues.consume_from or app.amqp.queues),
         priority_steps=options.get("priority_steps", (0, 3, 6, 9)),

@@ -15,18 +15,22 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+import redis
+
 from celery_crawl.config import mask_url
 from celery_crawl.durations import parse_duration
 from celery_crawl.errors import ConfigError
 
-__all__ = ["ANY_HOST", "DIRECT", "CrawlerSettings"]
+__all__ = ["ANY_HOST", "DIRECT", "CrawlerSettings", "redis_client", "sentinel_master"]
 
 #: The entry of ``CRAWL_PROXIES`` that means "no proxy".
 DIRECT = "direct"
 #: ``CRAWL_ALLOWED_HOSTS`` value that allows every host (the default).
 ANY_HOST = "*"
 
-_BROKER_SCHEMES = ("redis", "rediss", "amqp", "amqps", "pyamqp")
+_BROKER_SCHEMES = ("redis", "rediss", "amqp", "amqps", "pyamqp", "sentinel")
+#: Redis behind Sentinel: ``redis+sentinel://s1:26379,s2:26379/<master>/<db>``.
+_SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 _MiB = 1024 * 1024
 _LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
 
@@ -115,15 +119,16 @@ class CrawlerSettings:
             ConfigError: naming the variable and what is wrong with its value.
         """
         e = os.environ if env is None else env
-        redis_url = _url(e, "REDIS_URL", "redis://127.0.0.1:6379/0", ("redis", "rediss"))
-        broker_url = _url(e, "CRAWL_BROKER_URL", redis_url, _BROKER_SCHEMES)
+        redis_url = _url(e, "REDIS_URL", "redis://127.0.0.1:6379/0",
+                         ("redis", "rediss", *_SENTINEL_SCHEMES))
+        broker_url = _url(e, "CRAWL_BROKER_URL", _kombu_url(redis_url), _BROKER_SCHEMES)
         result_url = e.get("CRAWL_RESULT_URL") or None
         etcd_url = e.get("ETCD_URL") or None
         if etcd_url is not None:
             etcd_url = _etcd(etcd_url)
         lease_url = e.get("CRAWL_LEASE_URL") or etcd_url or redis_url
         _check_scheme("CRAWL_LEASE_URL", lease_url,
-                      ("redis", "rediss", "etcd", "etcd+http", "etcd+https"))
+                      ("redis", "rediss", *_SENTINEL_SCHEMES, "etcd", "etcd+http", "etcd+https"))
         namespace = e.get("CRAWL_NAMESPACE", "crawler").strip()
         if not namespace or any(c in namespace for c in " \n{}:"):
             raise ConfigError(f"CRAWL_NAMESPACE: {namespace!r} must be a non-empty word")
@@ -220,7 +225,53 @@ class CrawlerSettings:
                 "unacked_restore_interval": max(1, int(self.visibility_timeout_s / 4)),
                 "unacked_restore_throttle": 1,
             }
+        master = sentinel_master(self.redis_url)
+        if master is not None and self.broker_url.startswith("sentinel://"):
+            # kombu's Sentinel transport finds the master by this name.
+            conf["broker_transport_options"] = {
+                **conf.get("broker_transport_options", {}), "master_name": master}
         return conf
+
+
+def sentinel_master(url: str) -> str | None:
+    """The master's name of a ``redis+sentinel://hosts/<master>/<db>`` URL, else None."""
+    if url.split("://", 1)[0] not in _SENTINEL_SCHEMES:
+        return None
+    return urlsplit(url).path.strip("/").split("/")[0] or None
+
+
+def _kombu_url(redis_url: str) -> str:
+    """The broker URL for ``REDIS_URL``: itself, or kombu's ``sentinel://`` form (one URL per
+    sentinel, ``;``-separated) for ``redis+sentinel://``."""
+    scheme, _, rest = redis_url.partition("://")
+    if scheme not in _SENTINEL_SCHEMES:
+        return redis_url
+    hosts, _, path = rest.partition("?")[0].partition("/")
+    db = [*path.strip("/").split("/"), "0"][1] or "0"
+    return ";".join(f"sentinel://{h}/{db}" for h in hosts.rpartition("@")[2].split(","))
+
+
+def redis_client(url: str, **kwargs: Any) -> redis.Redis:
+    """A client of ``url``: ``redis://``/``rediss://``, or the master the sentinels of a
+    ``redis+sentinel://`` URL name (each new connection asks them)."""
+    scheme = url.partition("://")[0]
+    if scheme not in _SENTINEL_SCHEMES:
+        return redis.Redis.from_url(url, **kwargs)
+    from redis.sentinel import Sentinel
+
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    master, _, db = parts.path.strip("/").partition("/")
+    pairs = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":") if ":" in host else (host, "", "26379")
+        pairs.append((name, int(port or 26379)))
+    password = userinfo.partition(":")[2] or None
+    timeouts = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    sentinel = Sentinel(pairs, sentinel_kwargs=timeouts, **kwargs)
+    client: redis.Redis = sentinel.master_for(master, db=int(db or 0), password=password,
+                                              ssl=scheme == "rediss+sentinel")
+    return client
 
 
 def _check_scheme(var: str, url: str, schemes: tuple[str, ...]) -> None:

@@ -19,6 +19,7 @@ from typing import IO, Any
 from celery import states
 from kombu.utils.encoding import bytes_to_str
 
+from .._celery_compat import failure_expires
 from ..errors import SerializationRefused
 from .audited import AuditedRedisBackend
 
@@ -155,7 +156,7 @@ def _judge(backend: AuditedRedisBackend, report: VerifyReport, record: AuditReco
             report.diverging.append((record.task, "forgotten, but a result is stored"))
         return
     if value is None:
-        expires = backend.failure_expires if record.state == states.FAILURE else backend.expires
+        expires = failure_expires(backend) if record.state == states.FAILURE else backend.expires
         age = (now - record.time).total_seconds()
         if expires and age >= float(expires) - _SLACK_S:
             report.expired += 1

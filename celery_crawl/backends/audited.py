@@ -68,7 +68,13 @@ from .. import _finishing as finishing
 from .. import _issued as issued
 from .._canvas import META_FIELD as CANVAS_FIELD
 from .._canvas import canvas_key
-from .._celery_compat import call_task_errbacks, fail_chain, max_value_size, result_meta
+from .._celery_compat import (
+    call_task_errbacks,
+    fail_chain,
+    failure_expires,
+    max_value_size,
+    result_meta,
+)
 from ..config import CrawlConfig, mask_url
 from ..errors import (
     ConfigError,
@@ -294,6 +300,16 @@ class AuditedRedisBackend(RedisBackend):
     #: Results are stored as plain JSON text, to be digested and read by ``celery crawl audit``.
     supports_result_compression = False
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> AuditedRedisBackend:
+        """``crawlredis+sentinel://`` reaches this class as a ``sentinel://`` URL (Celery splits
+        the scheme at its ``+``): that one is an ``AuditedSentinelBackend``."""
+        if cls is AuditedRedisBackend and str(kwargs.get("url") or "").startswith("sentinel://"):
+            from .sentinel import AuditedSentinelBackend
+
+            cls = AuditedSentinelBackend
+        made: AuditedRedisBackend = object.__new__(cls)
+        return made
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         app = kwargs.get("app") or (args[0] if args else None)
         if app is not None:
@@ -401,8 +417,11 @@ class AuditedRedisBackend(RedisBackend):
         where = f"result backend {self.safe_url}" + (f": {what}" if what else "")
         redirected = isinstance(exc, redis_errors.AskError | redis_errors.ClusterDownError
                                 | redis_errors.TryAgainError)  # MovedError is an AskError
-        if not self.crawl_cluster and (
-                redirected or isinstance(exc, redis_errors.ClusterCrossSlotError)):
+        # redis-py before 6 answers a cluster node's CROSSSLOT to a plain client as a bare
+        # ResponseError.
+        cross_slot = isinstance(exc, redis_errors.ClusterCrossSlotError) or (
+            isinstance(exc, redis_errors.ResponseError) and str(exc).startswith("CROSSSLOT"))
+        if not self.crawl_cluster and (redirected or cross_slot):
             return StoreError(f"{where}: the server is a Redis Cluster node; name it with "
                               f"crawlredis+cluster:// ({exc})")
         if redirected:
@@ -675,7 +694,7 @@ class AuditedRedisBackend(RedisBackend):
         rollback = getattr(request, "crawl_rollback", None) if request is not None else None
         guard = (getattr(request, GUARD_ATTR, None)
                  if request is not None and state == states.SUCCESS else None)
-        expires = self.failure_expires if state == states.FAILURE else self.expires
+        expires = failure_expires(self) if state == states.FAILURE else self.expires
         outcome = self.write_state(
             task_id, value, state, token=token, digest=digest, worker=worker or "",
             rollback=rollback or "", expires_s=int(expires or 0),

@@ -9,19 +9,23 @@ The beat, ``crawl status``, ``crawl next`` and ``crawl schedules check`` all cal
   (the duplicate is an error naming both places; the ``beat_schedule`` definition is kept);
 * a file with any error is *broken*: none of its entries are taken from this load; the entries
   it defined in ``previous`` (the beat's last load) are kept instead, so a typo saved into a
-  running fleet's file never stops that file's other entries.
+  running fleet's file never stops that file's other entries;
+* ``crawl_schedule_sources`` says which of ``files``, ``beat_schedule`` and
+  ``django_celery_beat`` are read; a django-celery-beat row whose name a file or
+  ``beat_schedule`` already defines is an error naming both, and the row is left out; a row that
+  cannot be run is an error naming the row (the other rows run).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..config import DEFAULTS
-from ..errors import CrawlError, ScheduleFileError
+from ..config import DEFAULTS, schedule_sources
+from ..errors import ConfigError, CrawlError, ScheduleFileError
 from ..schedules import EntrySpec, check_duplicates_with_beat_schedule, load_schedule_files
+from ..schedules.root import schedule_base
 from .entries import BeatEntry, from_beat_schedule, from_spec
 
 __all__ = ["AppSchedule", "assemble"]
@@ -43,6 +47,8 @@ class AppSchedule:
         duplicates: one per file entry whose name ``beat_schedule`` also defines.
         beat_schedule_errors: ``beat_schedule`` name -> why it was left out.
         entry_errors: file entry name -> why a validated spec could not become an entry.
+        source_errors: problems of the other sources (a django-celery-beat row refused, a
+            row's name defined twice, the database unreachable), one line each.
     """
 
     entries: dict[str, BeatEntry] = dataclasses.field(default_factory=dict)
@@ -55,6 +61,7 @@ class AppSchedule:
     duplicates: list[ScheduleFileError] = dataclasses.field(default_factory=list)
     beat_schedule_errors: dict[str, CrawlError] = dataclasses.field(default_factory=dict)
     entry_errors: dict[str, Exception] = dataclasses.field(default_factory=dict)
+    source_errors: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def files_ok(self) -> bool:
@@ -73,7 +80,7 @@ class AppSchedule:
         out = [f"beat_schedule {name!r}: {exc}" for name, exc in self.beat_schedule_errors.items()]
         out += [str(err) for err in (*self.file_errors, *self.duplicates)]
         out += [f"entry {name!r}: {exc}" for name, exc in self.entry_errors.items()]
-        return out
+        return out + self.source_errors
 
 
 def schedule_paths(app: Any) -> tuple[list[str], ScheduleFileError | None]:
@@ -88,15 +95,26 @@ def schedule_paths(app: Any) -> tuple[list[str], ScheduleFileError | None]:
 
 
 def assemble(app: Any, *, paths: Sequence[str] | None = None, base_dir: str | None = None,
-             previous: Mapping[str, BeatEntry] | None = None) -> AppSchedule:
+             previous: Mapping[str, BeatEntry] | None = None,
+             rows: Any = None) -> AppSchedule:
     """The app's schedule: ``beat_schedule`` plus the files of ``paths`` (default: the app's
-    ``crawl_schedule_paths``) relative to ``base_dir`` (default: the working directory).
+    ``crawl_schedule_paths``) relative to ``base_dir`` (default: the app's project root,
+    :func:`~celery_crawl.schedules.root.schedule_base`, whatever the working directory).
 
     ``previous`` is the last assembly's entries (the beat's reload); without it a broken file
-    contributes nothing. Never raises for bad input: problems are in the result.
+    contributes nothing. ``rows`` is the beat's django-celery-beat source (its last good rows);
+    without it, and with ``django_celery_beat`` in ``crawl_schedule_sources``, the rows are read
+    once. Never raises for bad input: problems are in the result.
     """
     out = AppSchedule()
-    beat_schedule: Mapping[str, Any] = app.conf.get("beat_schedule") or {}
+    try:
+        names = schedule_sources(app.conf.get("crawl_schedule_sources",
+                                              DEFAULTS["crawl_schedule_sources"]))
+    except ConfigError as exc:
+        out.source_errors.append(str(exc))
+        names = tuple(DEFAULTS["crawl_schedule_sources"])
+    beat_schedule: Mapping[str, Any] = (app.conf.get("beat_schedule") or {}) \
+        if "beat_schedule" in names else {}
     for name, raw in beat_schedule.items():
         try:
             out.entries[name] = from_beat_schedule(name, raw, app)
@@ -106,7 +124,9 @@ def assemble(app: Any, *, paths: Sequence[str] | None = None, base_dir: str | No
         paths, bad = schedule_paths(app)
         if bad is not None:
             out.file_errors.append(bad)
-    loaded = load_schedule_files(list(paths), base_dir=base_dir or os.getcwd())
+    if "files" not in names:
+        paths = []
+    loaded = load_schedule_files(list(paths), base_dir=base_dir or schedule_base(app).path)
     out.specs, out.sources, out.files = loaded.entries, loaded.sources, loaded.files
     out.file_errors += loaded.errors
     out.broken = {str(err.file or "") for err in loaded.errors}
@@ -122,4 +142,31 @@ def assemble(app: Any, *, paths: Sequence[str] | None = None, base_dir: str | No
         if entry.origin in out.broken and name not in out.entries:
             out.entries[name] = entry  # what that file defined before it broke
             out.kept.add(name)
+    if "django_celery_beat" in names:
+        _add_rows(app, out, rows)
     return out
+
+
+def _add_rows(app: Any, out: AppSchedule, rows: Any) -> None:
+    """The django-celery-beat rows, after the files and ``beat_schedule`` (those win a name)."""
+    if rows is None:  # a one-off read: ``status``, ``schedules check``, ``next``
+        from .sources import row_source
+
+        try:
+            rows = row_source(app)
+            try:
+                rows.poll()
+            finally:
+                rows.close()
+        except CrawlError as exc:
+            out.source_errors.append(f"django_celery_beat: {exc}")
+            return
+    out.source_errors += list(rows.errors.values())
+    for name, entry in rows.entries.items():
+        if name in out.entries or name in out.specs:
+            where = out.sources.get(name) or "app.conf.beat_schedule"
+            out.source_errors.append(
+                f"entry {name!r} is defined by django-celery-beat (PeriodicTask {name!r}) and "
+                f"by {where}; the {where} definition is kept and the row is ignored")
+            continue
+        out.entries[name] = entry

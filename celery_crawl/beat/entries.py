@@ -29,9 +29,10 @@ from ..schedules.policies import (
     CatchupPolicy,
     Overlap,
 )
+from .crontab_slots import CrontabSlots
 
 __all__ = ["OVERLAP_POLICIES", "BeatEntry", "CelerySlotSource", "from_beat_schedule",
-           "from_spec"]
+           "from_spec", "zone_name", "zoned"]
 
 _CRAWL_OPTION_KEYS = ("crawl_overlap", "crawl_catchup", "crawl_catchup_window",
                       "crawl_catchup_max")
@@ -88,10 +89,11 @@ def _floor_s(when: datetime) -> datetime:
 class CelerySlotSource:
     """Slots of a Celery ``schedule``/``crontab``/``solar``: each due instant, to the second.
 
-    ``next_slot(after) = now + remaining_estimate(after)``, which for every Celery schedule is
+    A plain interval is computed directly so consecutive slots are exactly ``run_every`` apart;
+    a plain ``crontab`` by :class:`CrontabSlots`, the same on every Celery version. Other
+    schedules (``solar``, a subclass): ``next_slot(after) = now + remaining_estimate(after)``,
     ``after``'s next due instant whatever ``now`` is (rounded to the second, because the two
-    reads of ``now`` differ by microseconds); a plain interval is computed directly so
-    consecutive slots are exactly ``run_every`` apart.
+    reads of ``now`` differ by microseconds).
     """
 
     def __init__(self, schedule: Any) -> None:
@@ -100,7 +102,10 @@ class CelerySlotSource:
 
         self.schedule = schedule
         self._interval_s: float | None = None
-        if type(schedule) is interval:
+        self._crontab: CrontabSlots | None = None
+        if type(schedule) is crontab:
+            self._crontab = CrontabSlots(schedule)
+        elif type(schedule) is interval:
             self._interval_s = schedule.run_every.total_seconds()
             if self._interval_s <= 0:
                 raise ScheduleError(f"schedule {schedule!r}: interval must be positive")
@@ -113,6 +118,8 @@ class CelerySlotSource:
         if self._interval_s is not None:
             nxt = _floor_s(after + timedelta(seconds=self._interval_s))
             return nxt if nxt > after else nxt + timedelta(seconds=1)
+        if self._crontab is not None:
+            return self._crontab.next_slot(after)
         now = self.schedule.now()
         if now.tzinfo is None:
             now = now.replace(tzinfo=UTC)
@@ -204,3 +211,18 @@ def from_spec(spec: Any) -> BeatEntry:
                      paused=bool(spec.paused), fingerprint=str(spec.fingerprint()),
                      origin=str(getattr(spec, "source", "") or "schedule file"),
                      expires_s=expires_s)
+
+
+def zone_name(entry: BeatEntry) -> str:
+    """The IANA zone the entry's cron is written in (``UTC`` for Celery's own schedules)."""
+    name = getattr(entry.source, "zone_name", None)
+    return str(name) if isinstance(name, str) and name else "UTC"
+
+
+def zoned(entry: BeatEntry, slot: datetime) -> str:
+    """``slot`` as wall time in the entry's zone, e.g. ``2026-03-08 02:15:00 CST``: an
+    operator reads a cron written for Shanghai in Shanghai time, beside the UTC slot."""
+    zone = getattr(entry.source, "tz", None)
+    local = slot.astimezone(zone) if zone is not None and zone_name(entry) != "UTC" else \
+        slot.astimezone(UTC)
+    return f"{local:%Y-%m-%d %H:%M:%S} {local.tzname() or zone_name(entry)}"

@@ -68,11 +68,13 @@ class Guards:
         self.next_eviction = 0.0
         self.skew_reason: str | None = None
         self.eviction_reason: str | None = None
+        #: set by the scheduler from the fleet's schedule (:mod:`.fleet`)
+        self.schedule_reason: str | None = None
         self._last_block_log = 0.0
 
     @property
     def reason(self) -> str | None:
-        return self.eviction_reason or self.skew_reason
+        return self.eviction_reason or self.skew_reason or self.schedule_reason
 
     def poll(self, now_m: float) -> None:
         """Run the skew and store checks that are due."""

@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -28,21 +29,26 @@ from typing import Any
 from celery.beat import Scheduler
 
 from .. import keys, metrics, status
+from .._celery_compat import warn_untested
 from ..clock import Clock, RedisTimeReference, monotonic
 from ..config import CrawlConfig, plain_redis_url
 from ..errors import ConfigError, CrawlError, FencedError, LeaseError, StoreError
 from ..leases import make_holder, store_for
 from ..leases.base import Characteristic
+from ..schedules.fingerprint import schedule_fingerprint
+from ..schedules.root import schedule_base
 from .assembly import assemble
 from .book import StateBook
 from .commands import CommandQueue
 from .dispatch import Dispatcher
 from .election import Election
-from .entries import BeatEntry
+from .entries import BeatEntry, zone_name, zoned
+from .fleet import FleetSchedule
 from .guards import Guards
 from .publish import Publisher
 from .reload import FileWatch, changed_names
 from .slots import SkipRange
+from .sources import row_source
 from .state import EntryState, Sent, format_slot, parse_slot
 from .term import Term
 from .verify import DeliveryCheck
@@ -57,6 +63,14 @@ COMMAND_POLL_S = 0.5
 RELOAD_POLL_S = 1.0
 #: How often the leader runs the delivery check (``crawl_beat_verify_delivery``).
 VERIFY_POLL_S = 1.0
+#: How often a standby compares its schedule with the fleet's (see :mod:`.fleet`).
+FLEET_POLL_S = 1.0
+#: A standing schedule mismatch is logged again this often (``warn`` mode).
+_MISMATCH_LOG_S = 60.0
+
+#: The replica id the banner showed, per app: Celery builds the banner from a lazy scheduler
+#: made just before the real one, which takes this id over so the banner names it truly.
+_banner_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 class LeasedScheduler(Scheduler):
@@ -71,11 +85,23 @@ class LeasedScheduler(Scheduler):
         self.config = CrawlConfig.from_app(app)
         #: the local wall clock (``time.time``; tests pass one they can set)
         self._wall_clock = wall_clock or time.time
-        self.replica_id = make_holder()
+        self.replica_id = self._replica_id(app, lazy=bool(kwargs.get("lazy")))
         self.election = Election(self.config.beat_lease_ttl_s, clock=monotonic)
         self.entries: dict[str, BeatEntry] = {}
+        #: fingerprint of the whole schedule (``schedule_fingerprint`` of the entries)
+        self.schedule_fingerprint = schedule_fingerprint({})
+        self._fleet: FleetSchedule | None = None
+        #: whether this term's schedule is the fleet's (adopted): only then is state collected
+        self._adopted = False
+        self._next_fleet = 0.0
+        self._last_mismatch_log = -_MISMATCH_LOG_S
         self._files_ok = True
         self._watch = FileWatch(self.config.schedule_paths)
+        #: django-celery-beat's rows (``crawl_schedule_sources``), read when their marker moves
+        self._rows = row_source(app, self.config) \
+            if "django_celery_beat" in self.config.schedule_sources else None
+        self._rows_problem: str | None = None
+        self._next_write_back = 0.0
         self._store: Any = None
         self._clock: Clock | None = None
         self._term: Term | None = None
@@ -90,6 +116,13 @@ class LeasedScheduler(Scheduler):
         self._started = format_slot(datetime.fromtimestamp(int(self._wall_clock()), UTC))
         super().__init__(app, *args, **kwargs)
 
+    @staticmethod
+    def _replica_id(app: Any, *, lazy: bool) -> str:
+        if lazy:
+            replica_id = _banner_ids[app] = make_holder()
+            return replica_id
+        return _banner_ids.pop(app, None) or make_holder()
+
     @property
     def states(self) -> dict[str, EntryState]:
         """The entry states of the current term (empty on a standby)."""
@@ -99,11 +132,13 @@ class LeasedScheduler(Scheduler):
     def setup_schedule(self) -> None:
         """Open the store, check it, start metrics and load the schedule (not when lazy)."""
         status.install(self.app, lambda: status.beat_process(self))
+        warn_untested("beat")
         try:
             metrics.start_metrics_server(self.config.metrics_port, addr=self.config.metrics_addr)
         except ConfigError as exc:  # a busy port must not take the scheduler down
             log.error("beat: metrics are off: %s", exc)
         store = self._store = store_for(self.config)
+        metrics.watch_master_changes(store)
         self._clock = Clock(self._reference(), wall=self._wall_clock)
         term = self._term = Term(store, self.election, ttl_s=self.config.beat_lease_ttl_s,
                                  replica_id=self.replica_id, promote=self._promote,
@@ -119,11 +154,18 @@ class LeasedScheduler(Scheduler):
         self._commands = CommandQueue(store, self.election, self._book,
                                       entries=lambda: self.entries, now=self._now,
                                       renew=term.renew, publish=self._publish)
+        self._fleet = FleetSchedule(store, replica_id=self.replica_id,
+                                    alive_s=self.config.beat_lease_ttl_s, now=self._now)
+        metrics.start_at_zero("beat")
         self._guards.check_store()
         self._setup_verify()
         self._reload(force=True)
-        log.info("beat replica %s standing by (lease %s, ttl %.1fs, %d entries)",
-                 self.replica_id, store.url, self.config.beat_lease_ttl_s, len(self.entries))
+        log.info("beat: schedule paths %s resolve against %s",
+                 ", ".join(self.config.schedule_paths) or "(none)",
+                 schedule_base(self.app).describe())
+        log.info("beat replica %s standing by (lease %s, ttl %.1fs, %d entries, schedule %s)",
+                 self.replica_id, store.url, self.config.beat_lease_ttl_s, len(self.entries),
+                 self.schedule_fingerprint)
 
     def _setup_verify(self) -> None:
         after = self.config.beat_verify_delivery_s
@@ -163,6 +205,9 @@ class LeasedScheduler(Scheduler):
         self._guards.check_step()
         now_m = monotonic()
         self._guards.poll(now_m)
+        if now_m >= self._next_fleet:
+            self._next_fleet = now_m + FLEET_POLL_S
+            self._check_fleet()
         # A set clock blocks promotion: it would start fresh entries on the wrong time.
         self._term.step(now_m, may_acquire=not self._guards.stepped)
         if self.election.is_leader and not self._guards.stepped:
@@ -188,6 +233,7 @@ class LeasedScheduler(Scheduler):
                         self._book.flush()
                     except CrawlError as exc:
                         log.warning("beat: final state flush failed: %s", exc)
+                    self._write_back_rows()
                 try:
                     store.release(lease)
                     log.warning("beat replica %s released the leader lease (token %d)",
@@ -204,6 +250,8 @@ class LeasedScheduler(Scheduler):
             if self._verify is not None:
                 with contextlib.suppress(Exception):  # its broker connection only
                     self._verify.broker.close()
+            if self._rows is not None:
+                self._rows.close()
             if store is not None:
                 store.close()
             super().close()
@@ -223,6 +271,8 @@ class LeasedScheduler(Scheduler):
     # -- leadership ----------------------------------------------------------------------------
     def _after_demotion(self, reason: str) -> None:
         dropped = self._book.clear() if self._book is not None else 0
+        if self._rows is not None:
+            self._rows.forget_runs()  # written back by the next leader's token, not ours
         if self._dispatch is not None:
             self._dispatch.clear()
         log.error("beat replica %s stopped dispatching and is standing by: %s%s",
@@ -238,15 +288,82 @@ class LeasedScheduler(Scheduler):
             "token": self.election.lease.token if self.election.lease else None,
             "clock_offset_s": None if offset is None else round(-offset, 6),
             "blocked": self.election.blocked_reason, "entries": len(self.entries),
+            "schedule": self.schedule_fingerprint,
             "started": self._started, "last_seen": format_slot(self._now()),
         }
 
-    def _promote(self) -> None:
+    def _check_fleet(self) -> None:
+        """A standby compares its schedule with the fleet's: a mismatch blocks it from leading
+        (``refuse``: a leader that had not adopted its schedule steps down) or is logged
+        (``warn``); see :mod:`.fleet`."""
+        assert self._fleet is not None and self._guards is not None
+        if self.election.is_leader and self._adopted:
+            metrics.BEAT_SCHEDULE_MISMATCH.set(0)
+            return
+        # A standby, or a leader running a schedule it did not adopt (an empty one that led
+        # before any other replica was up): the latter steps down once the rule says so.
+        reason = self._fleet.check(self.schedule_fingerprint, len(self.entries))
+        fleet_fp = self._fleet.fingerprint
+        metrics.BEAT_SCHEDULE_MISMATCH.set(
+            1 if fleet_fp is not None and fleet_fp != self.schedule_fingerprint else 0)
+        if reason is None and self.election.is_leader and self.entries:
+            # Nobody holds the fleet's schedule any more: the term adopts its own now (and
+            # collects what it dropped), as a new term would.
+            self._repromote()
+            return
+        if self.config.beat_schedule_mismatch == "refuse":
+            text = (None if reason is None else
+                    f"refusing to lead: {reason} (crawl_beat_schedule_mismatch=refuse)")
+            if text != self._guards.schedule_reason:
+                if text is None:
+                    log.warning("beat replica %s: its schedule %s may lead now (no live replica "
+                                "holds the fleet's %s any more)", self.replica_id,
+                                self.schedule_fingerprint, fleet_fp)
+                self._guards.schedule_reason = text
+                self._guards.apply()
+            return
+        now_m = monotonic()
+        if reason is not None and now_m - self._last_mismatch_log >= _MISMATCH_LOG_S:
+            self._last_mismatch_log = now_m
+            log.warning("beat replica %s may lead although %s (crawl_beat_schedule_mismatch=warn:"
+                        " it would run its own schedule without adopting it)",
+                        self.replica_id, reason)
+
+    def _adopt(self, *, reloaded: bool) -> bool:
+        """Whether this term runs the fleet's schedule: adopted when it matches, when no live
+        replica holds the fleet's any more, or when the leader reloaded its own files (an
+        empty schedule is never adopted over one with entries). Records it in the store."""
+        assert self._fleet is not None
+        lease = self.election.lease
+        assert lease is not None
+        fp, n = self.schedule_fingerprint, len(self.entries)
+        if reloaded:
+            fleet = self._fleet.fleet
+            reason = (None if n or not fleet or not fleet.get("entries")
+                      else "the reloaded schedule is empty")
+        else:
+            assert self._term is not None
+            reason = self._fleet.check(fp, n, fresh=True, between=self._term.keep_alive)
+        if reason is None and n == 0 and self._fleet.fleet is None:
+            reason = "an empty schedule is not recorded as the fleet's"
+        if reason is not None:
+            log.warning("beat replica %s leads without adopting its schedule %s as the "
+                        "fleet's (stored state of entries it lacks is kept): %s",
+                        self.replica_id, fp, reason)
+            return False
+        self._fleet.adopt(lease, fp, n)
+        return True
+
+    def _promote(self, *, reloaded: bool = False) -> None:
         """Load every entry's durable state and fill the due heap (see ``StateBook.load``)."""
         assert self._book is not None and self._dispatch is not None and self._term is not None
         self._dispatch.clear()
         self._dispatch.entries = self.entries
-        fresh = self._book.load(self.entries, self._now(), collect_garbage=self._files_ok,
+        self._adopted = self._adopt(reloaded=reloaded)
+        metrics.BEAT_SCHEDULE_MISMATCH.set(0 if self._adopted else 1)
+        # Stored state of an entry goes only when the fleet's schedule dropped the entry.
+        fresh = self._book.load(self.entries, self._now(),
+                                collect_garbage=self._files_ok and self._adopted,
                                 keep_alive=self._term.keep_alive)
         self._dispatch.schedule_all(self._term.keep_alive)
         log.info("beat: leading %d entries (%d fresh), next run %s", len(self._book.states),
@@ -278,6 +395,22 @@ class LeasedScheduler(Scheduler):
         if self._verify is not None and self.election.is_leader and now_m >= self._next_verify:
             self._next_verify = now_m + VERIFY_POLL_S
             self._check_deliveries()
+        if self._rows is not None and self._rows.pending and now_m >= self._next_write_back:
+            self._next_write_back = now_m + RELOAD_POLL_S
+            self._write_back_rows()
+
+    def _write_back_rows(self) -> None:
+        """``last_run_at``/``total_run_count`` of django-celery-beat rows, fenced by the token."""
+        lease = self.election.lease
+        if self._rows is None or lease is None or not self.election.may_publish():
+            return
+        try:
+            self._rows.write_back(lease.token)
+        except FencedError as exc:
+            log.error("beat: %s", exc)
+        except CrawlError as exc:
+            log.warning("beat: writing runs back to django-celery-beat failed, trying again: "
+                        "%s", exc)
 
     def _check_deliveries(self) -> None:
         assert self._verify is not None and self._book is not None
@@ -335,20 +468,27 @@ class LeasedScheduler(Scheduler):
             self._verify.track(st, task_id, format_slot(slot), manual)
         st.last_task_id = task_id
         st.last_run_slot = slot
+        if self._rows is not None:
+            self._rows.ran(entry, now)
         if not manual and (st.last_slot is None or slot > st.last_slot):
             st.last_slot = slot
         metrics.BEAT_DISPATCHED.inc()
         metrics.BEAT_DISPATCH_LAG.observe(max(0.0, time.time() - slot.timestamp()))
+        log.info("beat: published %s slot %s = %s in %s as %s, token %d%s", entry.name,
+                 format_slot(slot), zoned(entry, slot), zone_name(entry), task_id, lease.token,
+                 " (manual)" if manual else "")
         return task_id
 
     # -- schedule ------------------------------------------------------------------------------
     def _reload(self, *, force: bool = False) -> None:
         """Assemble the schedule again when a schedule file changed. A file that fails to load
         keeps its previous entries; the reason is logged."""
-        if not self._watch.changed(force=force):
+        files_changed = self._watch.changed(force=force)
+        if not self._poll_rows() and not files_changed:
             return
-        schedule = assemble(self.app, paths=self.config.schedule_paths, base_dir=os.getcwd(),
-                            previous=self.entries)
+        schedule = assemble(self.app, paths=self.config.schedule_paths,
+                            base_dir=str(schedule_base(self.app).path), previous=self.entries,
+                            rows=self._rows)
         for name, exc in schedule.beat_schedule_errors.items():
             log.error("beat: skipping beat_schedule entry %r: %s", name, exc)
         for err in schedule.file_errors:
@@ -358,21 +498,53 @@ class LeasedScheduler(Scheduler):
             log.error("beat: %s", err)
         for name, error in schedule.entry_errors.items():
             log.error("beat: skipping schedule entry %r: %s", name, error)
+        for line in schedule.source_errors:
+            if self._rows is None or line not in self._rows.errors.values():  # logged there
+                log.error("beat: %s", line)
         changed = changed_names(self.entries, schedule.entries)
         self.entries, self._files_ok = schedule.entries, schedule.files_ok
+        self.schedule_fingerprint = schedule_fingerprint(
+            {name: entry.fingerprint for name, entry in self.entries.items()})
+        metrics.set_schedule(self.schedule_fingerprint, len(self.entries))
         if self._dispatch is not None:
             self._dispatch.entries = self.entries
         self._publisher.forget({n for n in changed if n not in self.entries})
         if changed and not force:
             log.warning("beat: schedule reloaded: %d entries, %d changed", len(self.entries),
                         len(changed))
-            if self.election.is_leader and self._book is not None:
-                self._book.flush()
-                try:
-                    self._promote()
-                except (StoreError, LeaseError, FencedError) as exc:
-                    assert self._term is not None
-                    self._term.demote(f"reload failed: {exc}", release=True)
+            if self.election.is_leader:
+                self._repromote(reloaded=True)
+
+    def _repromote(self, *, reloaded: bool = False) -> None:
+        """Load the term again (a reloaded schedule, or one to adopt now); a store or lease
+        failure ends the term."""
+        if self._book is None:
+            return
+        self._book.flush()
+        try:
+            self._promote(reloaded=reloaded)
+        except (StoreError, LeaseError, FencedError) as exc:
+            assert self._term is not None
+            self._term.demote(f"{'reload' if reloaded else 'adoption'} failed: {exc}",
+                              release=True)
+
+    def _poll_rows(self) -> bool:
+        """Whether django-celery-beat's rows changed; a failing database keeps the last good
+        rows (the beat goes on running them) and is polled again."""
+        if self._rows is None:
+            return False
+        try:
+            changed = self._rows.poll()
+        except CrawlError as exc:
+            if str(exc) != self._rows_problem:
+                log.error("beat: django-celery-beat rows not read (the last good rows are kept, "
+                          "trying again): %s", exc)
+            self._rows_problem = str(exc)
+            return False
+        if self._rows_problem is not None:
+            log.warning("beat: django-celery-beat rows read again")
+            self._rows_problem = None
+        return changed
 
     def _sleep_s(self) -> float:
         now_m = monotonic()

@@ -220,16 +220,17 @@ class StoreDriver:
         raise NotImplementedError
 
     def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                     ttl_s: float) -> bool:
+                     ttl_s: float, token: int | None = None) -> bool:
         """``finish_claims`` for one claim; its error raised."""
-        got = self.finish_claims(lease, [(key, record, value)], ttl_s=ttl_s)[0]
+        got = self.finish_claims(lease, [(key, record, value)], ttl_s=ttl_s, tokens=[token])[0]
         if isinstance(got, CrawlError):
             raise got
         return got
 
     def finish_claims(self, lease: Lease,
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
-                      ttl_s: float) -> list[bool | CrawlError]:
+                      ttl_s: float,
+                      tokens: Sequence[int | None] | None = None) -> list[bool | CrawlError]:
         raise NotImplementedError
 
     def put(self, key: str, value: Mapping[str, Any], *, lease: Lease | None = None,

@@ -7,7 +7,8 @@ data: more Python than the call's own packing and parsing. ``Lanes`` keeps a fre
 connections taken from the pool once: each call takes one, so no two calls (or threads) share a
 connection at a time, and gives it back. A connection whose call failed other than by an error
 reply (read whole: redis-py raises it only after the reply) is disconnected first, so none is
-ever left with an unread reply; its next use reconnects. A new client (a cluster slot that
+ever left with an unread reply; its next use reconnects (through ``connect``, so a
+Sentinel-managed connection finds the current master). A new client (a cluster slot that
 moved) or a forked child starts a new list: no connection of another client or of the parent
 process is used.
 """
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import os
 from typing import Any
+
+from .._celery_compat import pool_connection, redis_socket
 
 __all__ = ["Lanes"]
 
@@ -36,9 +39,15 @@ class Lanes:
             state = self._free = (client, pid, [])
         free = state[2]
         try:
-            return free.pop(), free
+            conn = free.pop()
         except IndexError:
-            return client.connection_pool.get_connection(), free
+            return pool_connection(client.connection_pool), free
+        if redis_socket(conn) is None:
+            # Disconnected after a failed call: connect the way its class does (a Sentinel-managed
+            # one asks the sentinels where the master is now), not to the address it had, as a
+            # send on a closed connection would.
+            conn.connect()
+        return conn, free
 
     @staticmethod
     def give(taken: tuple[Any, list[Any]], *, broken: bool = False) -> None:

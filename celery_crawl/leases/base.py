@@ -207,21 +207,26 @@ class LeaseStore(Protocol):
 
     def finish_claims(self, lease: Lease,
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
-                      ttl_s: float) -> list[bool | CrawlError]:
+                      ttl_s: float,
+                      tokens: Sequence[int | None] | None = None) -> list[bool | CrawlError]:
         """``finish_claim`` for many ``(claim key, record, value)``, each as atomic as one
-        call, in as few round trips as the store allows. Per item: deleted, or the error."""
+        call, in as few round trips as the store allows (``tokens``: each item's claim token,
+        as ``finish_claim``'s ``token``). Per item: deleted, or the error."""
         ...
 
     def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                     ttl_s: float) -> bool:
+                     ttl_s: float, token: int | None = None) -> bool:
         """The end of a claimed run in one atomic operation: write record ``record``
         (unfenced, expiring after ``ttl_s``), then delete claim ``key`` if it is bound to
-        ``lease``. The record is written even when the claim is not ours. True if deleted."""
+        ``lease`` and (``token`` given) still is the claim with that token: a late end of an
+        earlier run never deletes a later claim of the same lease. The record is written even
+        when the claim is not ours. True if deleted."""
         ...
 
-    def unclaim(self, lease: Lease, key: str) -> bool:
-        """Delete claim ``key`` if it is bound to ``lease`` (same holder and lease); True if
-        deleted. Used on task completion."""
+    def unclaim(self, lease: Lease, key: str, *, token: int | None = None) -> bool:
+        """Delete claim ``key`` if it is bound to ``lease`` (same holder and lease) and
+        (``token`` given) carries claim token ``token``; True if deleted. A worker always
+        names the token: another claim of the key under the same lease is not its to drop."""
         ...
 
     def claims_of(self, lease_name: str) -> list[Claim]:

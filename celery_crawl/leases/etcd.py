@@ -714,11 +714,13 @@ class EtcdLeaseStore(StoreDriver):
         """The current claim on ``key`` (alive or orphaned), or None."""
         return self._read_claims([key])[0]
 
-    def unclaim(self, lease: Lease, key: str) -> bool:
-        """Delete claim ``key`` if its live marker belongs to ``lease``'s etcd lease."""
+    def unclaim(self, lease: Lease, key: str, *, token: int | None = None) -> bool:
+        """Delete claim ``key`` if its live marker belongs to ``lease``'s etcd lease (and the
+        claim carries ``token``, its key's revision, if given)."""
         live = self._k("live", key)
         resp = self._txn("unclaim", [self._cmp(live, "LEASE", "EQUAL", lease.handle or 0),
-                                     self._cmp(live, "CREATE", "GREATER", 0)],
+                                     self._cmp(live, "CREATE", "GREATER", 0),
+                                     *self._claim_is(key, token)],
                          [self._del(self._k("claim", key)), self._del(live),
                           self._del(self._k("claims-of", f"{lease.name}/{key}"))])
         return bool(resp.succeeded)
@@ -736,14 +738,23 @@ class EtcdLeaseStore(StoreDriver):
 
     def finish_claims(self, lease: Lease,
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
-                      ttl_s: float) -> list[bool | CrawlError]:
+                      ttl_s: float,
+                      tokens: Sequence[int | None] | None = None) -> list[bool | CrawlError]:
         """``finish_claim`` for each item, one transaction each."""
+        named = list(tokens) if tokens is not None else [None] * len(items)
         return self._each([functools.partial(self.finish_claim, lease, key, record, value,
-                                             ttl_s=ttl_s)
-                           for key, record, value in items], (StoreError, LeaseLost))
+                                             ttl_s=ttl_s, token=token)
+                           for (key, record, value), token in zip(items, named, strict=True)],
+                          (StoreError, LeaseLost))
+
+    def _claim_is(self, key: str, token: int | None) -> list[Any]:
+        """The comparison naming the exact claim (its token is its key's revision)."""
+        if token is None:
+            return []
+        return [self._cmp(self._k("claim", key), "MOD", "EQUAL", token)]
 
     def finish_claim(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                     ttl_s: float) -> bool:
+                     ttl_s: float, token: int | None = None) -> bool:
         """Write record ``record`` (unfenced, ``ttl_s``) and delete claim ``key`` if its live
         marker belongs to ``lease``'s etcd lease, in one transaction; True if deleted."""
         self._positive_ttl(ttl_s, "ttl_s")
@@ -754,7 +765,8 @@ class EtcdLeaseStore(StoreDriver):
             try:
                 resp = self._txn(
                     "finish", [self._cmp(live, "LEASE", "EQUAL", lease.handle or 0),
-                               self._cmp(live, "CREATE", "GREATER", 0)],
+                               self._cmp(live, "CREATE", "GREATER", 0),
+                               *self._claim_is(key, token)],
                     [put, self._del(self._k("claim", key)), self._del(live),
                      self._del(self._k("claims-of", f"{lease.name}/{key}"))],
                     [put])

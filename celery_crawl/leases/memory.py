@@ -339,18 +339,21 @@ class MemoryLeaseStore(StoreDriver):
 
     def finish_claims(self, lease: Lease,
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
-                      ttl_s: float) -> list[bool | CrawlError]:
+                      ttl_s: float,
+                      tokens: Sequence[int | None] | None = None) -> list[bool | CrawlError]:
         """``finish_claim`` for many ``(claim key, record, value)``, in one step."""
         ttl = self._positive_ttl(ttl_s, "ttl_s")
         values = [dumps(value, record) for _, record, value in items]
+        named = list(tokens) if tokens is not None else [None] * len(items)
         out: list[bool | CrawlError] = []
         with self._op("finish") as space:
             expires_at = space.clock() + ttl
-            for (key, record, _), value in zip(items, values, strict=True):
+            for (key, record, _), value, token in zip(items, values, named, strict=True):
                 self._write(space, record, value, None, expires_at)
                 claim = space.claims.get((self.namespace, key))
                 ours = claim is not None and (claim.lease_name, claim.holder, claim.ltoken) == (
-                    lease.name, lease.holder, lease.token)
+                    lease.name, lease.holder, lease.token) and (
+                    token is None or claim.token == token)
                 if ours:
                     del space.claims[(self.namespace, key)]
                 out.append(ours)
@@ -362,12 +365,14 @@ class MemoryLeaseStore(StoreDriver):
             claim = space.claims.get((self.namespace, key))
             return None if claim is None else self._public(key, claim, self._alive(space, claim))
 
-    def unclaim(self, lease: Lease, key: str) -> bool:
-        """Delete claim ``key`` if it is bound to ``lease``; True if deleted."""
+    def unclaim(self, lease: Lease, key: str, *, token: int | None = None) -> bool:
+        """Delete claim ``key`` if it is bound to ``lease`` (and carries ``token``, if given);
+        True if deleted."""
         with self._op("unclaim") as space:
             claim = space.claims.get((self.namespace, key))
             if claim is None or (claim.lease_name, claim.holder, claim.ltoken) != (
-                    lease.name, lease.holder, lease.token):
+                    lease.name, lease.holder, lease.token) or (
+                    token is not None and claim.token != token):
                 return False
             del space.claims[(self.namespace, key)]
             return True

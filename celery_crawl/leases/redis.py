@@ -6,6 +6,8 @@ URL grammar::
     rediss://[[user]:password@]host[:port][/db][?ssl_ca_certs=PATH&ssl_certfile=PATH
                                                &ssl_keyfile=PATH&ssl_cert_reqs=required|optional|none]
     redis+cluster://[[user]:password@]host[:port]      (rediss+cluster:// with the TLS options)
+    redis+sentinel://[[user]:password@]s1[:26379][,s2[:26379]...]/<master>[/db][?sentinel_password=P]
+                                                       (rediss+sentinel:// with the TLS options)
 
 Any other query option is a ``ConfigError`` (a typo in a TLS option must not silently turn
 verification off). Port defaults to 6379, db to 0 (a cluster has only db 0).
@@ -36,6 +38,10 @@ finds the master owning the namespace's slot (``CLUSTER SLOTS``) and talks to it
 pipelines, ``WAIT``, ``SCAN`` and pub/sub behave as on a standalone server; a ``MOVED`` reply
 (resharding, failover) drops that connection and the call fails as ``StoreUnavailable`` (callers
 retry). A ``redis://`` URL pointing at a cluster node is refused (``UnsupportedSetup``).
+``redis+sentinel://`` names the sentinels of a master: every call goes to the master they name,
+and a call that failed before it could have been applied is sent again to the master they name
+next, within ``crawl_store_timeout`` (:mod:`~celery_crawl.leases._sentinel`); the calls that
+ride in another client's round trips are off (the master may move between them).
 
 With ``redis_wait_replicas > 0`` every lease write (acquire, renew, claim, fenced put/delete/pop)
 is pipelined with ``WAIT n timeout`` in the same round trip. When fewer replicas acknowledge,
@@ -51,7 +57,7 @@ import logging
 import ssl
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis as redis_lib
@@ -83,12 +89,15 @@ from ._driver import StoreDriver, decoded_items
 from ._driver import dumps as _dumps
 from ._driver import loads as _loads
 from ._lanes import Lanes
+from ._sentinel import SentinelLink, is_sentinel_url
 from .base import Characteristic, Claim, Lease, Taken
 
 __all__ = ["RedisLeaseStore", "is_cluster_url", "key_prefix", "parse_redis_url",
            "token_counter_key"]
 
 log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 _CLAIM_BATCH = 1000
 #: Attempts of a claim read whose claimants changed hands between the reads.
@@ -195,7 +204,8 @@ class RedisLeaseStore(StoreDriver):
     """``LeaseStore`` on one Redis server (standalone or a Sentinel-managed primary).
 
     Args:
-        url: ``redis://`` or ``rediss://`` URL (grammar in the module docstring).
+        url: ``redis://``, ``rediss://``, ``redis+cluster://`` or ``redis+sentinel://`` URL
+            (grammar in the module docstring).
         namespace: prefix of every key.
         timeout_s: socket connect and read timeout of every call; no client-side retries, so a
             call fails within about this bound.
@@ -221,13 +231,13 @@ class RedisLeaseStore(StoreDriver):
         self.wait_replicas = int(redis_wait_replicas)
         self.unacked_writes = 0
         self.cluster = is_cluster_url(url)
+        self.sentinel = is_sentinel_url(url)
         self._prefix = key_prefix(namespace, cluster=self.cluster)
         self._token_key = token_counter_key(namespace, cluster=self.cluster)
         self._index_key = f"{self._prefix}claim-leases"
         self._channel = f"{self._prefix}lease-free"
         self._scripts = _load_scripts()
         kwargs: dict[str, Any] = dict(
-            **parse_redis_url(url),
             socket_timeout=self.timeout_s,
             socket_connect_timeout=self.timeout_s,
             retry=Retry(NoBackoff(), 0),
@@ -238,16 +248,30 @@ class RedisLeaseStore(StoreDriver):
             encoding_errors="surrogateescape",
             protocol=2,
         )
+        #: The sentinels and the master they name (``redis+sentinel://``), else None.
+        self.sentinel_link: SentinelLink | None = None
+        if self.sentinel:
+            link = self.sentinel_link = SentinelLink(url, dict(kwargs), timeout_s=self.timeout_s)
 
-        def connect(**where: Any) -> redis_lib.Redis:
-            # A closure, not a stored dict: the password must not show in vars(store).
-            return redis_lib.Redis(**{**kwargs, **where})
+            def connect(**where: Any) -> redis_lib.Redis:
+                # Always the master the sentinels name, whatever ``where`` says.
+                return link.master_for(**{k: v for k, v in where.items()
+                                          if k not in ("host", "port", "path")})
+        else:
+            kwargs.update(parse_redis_url(url))
+
+            def connect(**where: Any) -> redis_lib.Redis:
+                # A closure, not a stored dict: the password must not show in vars(store).
+                return redis_lib.Redis(**{**kwargs, **where})
 
         self._connect = connect
-        self._seed_host = str(kwargs["host"])
+        self._seed_host = str(kwargs.get("host"))
         # Standalone: the URL's server. Cluster: the master owning the namespace's slot, found
         # on first use and again after a MOVED reply.
-        self._client: redis_lib.Redis | None = None if self.cluster else connect()
+        # Sentinel: the client of the master the sentinels name.
+        self._client: redis_lib.Redis | None = (
+            None if self.cluster
+            else self.sentinel_link.client if self.sentinel_link else connect())
         #: The connections of ``_pipelined``.
         self._lanes = Lanes()
 
@@ -329,6 +353,20 @@ class RedisLeaseStore(StoreDriver):
         ``timeout_s`` below the store's timeout runs the call on a connection of its own with
         that bound (connect included), closed afterwards: the pooled connections keep theirs.
         """
+        return self._on_master(lambda: self._eval_once(name, keys, args, wait=wait,
+                                                       timeout_s=timeout_s), timeout_s)
+
+    def _on_master(self, fn: Callable[[], _R], timeout_s: float | None = None) -> _R:
+        """``fn()``; behind Sentinel, sent again to the master the sentinels name next while
+        it fails before it could have been applied (``SentinelLink.call``), within
+        ``timeout_s`` (default the store's timeout)."""
+        link = self.sentinel_link
+        if link is None:
+            return fn()
+        return link.call(fn, retry=link.unsent, timeout_s=timeout_s)
+
+    def _eval_once(self, name: str, keys: Sequence[str], args: Sequence[Any], *,
+                   wait: bool, timeout_s: float | None) -> tuple[Any, int | None]:
         if timeout_s is not None and timeout_s < self.timeout_s:
             bound = max(0.001, timeout_s)
             # The server the pooled client talks to (a cluster's slot owner), with its own bound.
@@ -379,6 +417,13 @@ class RedisLeaseStore(StoreDriver):
 
     def _eval_batch(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], *,
                     wait: bool = False) -> list[Any]:
+        """``_eval_batch_once``; behind Sentinel, again on the next master while the batch
+        failed before any of it could have been applied."""
+        return self._on_master(lambda: self._eval_batch_once(name, calls, wait=wait))
+
+    def _eval_batch_once(self, name: str,
+                         calls: Sequence[tuple[Sequence[str], Sequence[Any]]], *,
+                         wait: bool = False) -> list[Any]:
         """Run script ``name`` once per ``(keys, args)`` in one pipelined round trip (plus
         ``WAIT`` when asked and configured); each call stays one atomic script. Replies in
         order; a call that failed has its error (translated) in its place. Calls refused with
@@ -448,8 +493,13 @@ class RedisLeaseStore(StoreDriver):
                     out.append(conn.read_response())
                 except ResponseError as exc:  # read whole: the next reply follows
                     out.append(exc)
-        except BaseException:
+        except BaseException as exc:
             Lanes.give(taken, broken=True)
+            if out and isinstance(exc, redis_lib.exceptions.ConnectionError):
+                # Some calls were applied: the batch must not be sent again as unsent.
+                raise redis_lib.exceptions.ConnectionError(
+                    f"connection lost after {len(out)} of {len(commands)} replies: {exc}"
+                ) from exc
             raise
         Lanes.give(taken)
         return out
@@ -476,9 +526,12 @@ class RedisLeaseStore(StoreDriver):
         return acked is not None and acked < self.wait_replicas
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
-        with self._translate(what):
-            self.round_trips += 1
-            return fn(*args)
+        def once() -> Any:
+            with self._translate(what):
+                self.round_trips += 1
+                return fn(*args)
+
+        return self._on_master(once)
 
     @staticmethod
     def _ttl_ms(ttl_s: float, what: str = "ttl") -> int:
@@ -664,14 +717,17 @@ class RedisLeaseStore(StoreDriver):
 
     def finish_claims(self, lease: Lease,
                       items: Sequence[tuple[str, str, Mapping[str, Any]]], *,
-                      ttl_s: float) -> list[bool | CrawlError]:
+                      ttl_s: float,
+                      tokens: Sequence[int | None] | None = None) -> list[bool | CrawlError]:
         """``finish_claim`` for many ``(claim key, record, value)``, each its own atomic script,
         all in one round trip. Per item: whether the claim was deleted, or the error."""
         ttl_ms = self._ttl_ms(ttl_s, "ttl_s")
+        named = list(tokens) if tokens is not None else [None] * len(items)
         calls = [([self._k("rec", record), self._k("claim", key),
                    self._k("claims-of", lease.name), self._index_key],
-                  [_dumps(value, record), ttl_ms, lease.name, lease.holder, lease.token])
-                 for key, record, value in items]
+                  [_dumps(value, record), ttl_ms, lease.name, lease.holder, lease.token,
+                   _claim_token_arg(token)])
+                 for (key, record, value), token in zip(items, named, strict=True)]
         return [r if isinstance(r, CrawlError) else bool(r)
                 for r in self._eval_batch("finish", calls)]
 
@@ -680,9 +736,9 @@ class RedisLeaseStore(StoreDriver):
         """Whether a redis-py client connecting to ``where`` (its ``host``, ``port``, ``db``,
         ``path``) reaches this store's server and database, so a script call can ride in that
         client's own round trips (``claim_command``, ``finish_command``). Never on a cluster
-        (the namespace's master may move) nor with ``redis_wait_replicas`` (the ``WAIT`` must
-        follow the write on the same connection)."""
-        if self.cluster or self.wait_replicas > 0:
+        nor behind Sentinel (the namespace's master may move), nor with
+        ``redis_wait_replicas`` (the ``WAIT`` must follow the write on the same connection)."""
+        if self.cluster or self.sentinel or self.wait_replicas > 0:
             return False
         mine = self._redis.connection_pool.connection_kwargs
 
@@ -718,9 +774,9 @@ class RedisLeaseStore(StoreDriver):
     def line_pool(self) -> Any:
         """The redis-py connection pool a connection of the caller's own may be made from, to
         send this store's script calls without waiting (``claim_command``, ``finish_command``
-        with no ``unacked``); None on a cluster (the namespace's master may move) or with
+        with no ``unacked``); None on a cluster or behind Sentinel (the master may move) or with
         ``redis_wait_replicas`` (the ``WAIT`` must follow the write on the same connection)."""
-        if self.cluster or self.wait_replicas > 0:
+        if self.cluster or self.sentinel or self.wait_replicas > 0:
             return None
         return self._redis.connection_pool
 
@@ -753,7 +809,7 @@ class RedisLeaseStore(StoreDriver):
         return command, outcome
 
     def finish_command(self, lease: Lease, key: str, record: str, value: Mapping[str, Any], *,
-                       ttl_s: float,
+                       ttl_s: float, token: int | None = None,
                        unacked: tuple[Sequence[Any], Sequence[Any]] | None = None
                        ) -> tuple[tuple[Any, ...], Callable[[Any], CrawlError | None]]:
         """``finish_claim`` as one script call for the caller to send (as ``claim_command``),
@@ -765,7 +821,7 @@ class RedisLeaseStore(StoreDriver):
                    self._k("rec", record), self._k("claim", key),
                    self._k("claims-of", lease.name), self._index_key, *first_args,
                    _dumps(value, record), self._ttl_ms(ttl_s, "ttl_s"), lease.name,
-                   lease.holder, lease.token)
+                   lease.holder, lease.token, _claim_token_arg(token))
 
         def outcome(reply: Any) -> CrawlError | None:
             got = self._ridden(name, reply)
@@ -817,13 +873,14 @@ class RedisLeaseStore(StoreDriver):
         claims = self._claims_from(flat, strict=True)
         return claims[0] if claims else None
 
-    def unclaim(self, lease: Lease, key: str) -> bool:
-        """Delete claim ``key`` if it is bound to ``lease``; True if deleted."""
+    def unclaim(self, lease: Lease, key: str, *, token: int | None = None) -> bool:
+        """Delete claim ``key`` if it is bound to ``lease`` (and carries ``token``, if given);
+        True if deleted."""
         reply, _ = self._eval(
             "unclaim",
             [self._k("claim", key), self._k("claims-of", lease.name), self._index_key,
              self._k("lease", lease.name)],
-            [lease.name, lease.holder, "unclaim", lease.token],
+            [lease.name, lease.holder, "unclaim", lease.token, _claim_token_arg(token)],
         )
         return bool(reply)
 
@@ -896,7 +953,7 @@ class RedisLeaseStore(StoreDriver):
             "unclaim",
             [self._k("claim", claim.key), self._k("claims-of", claim.lease_name),
              self._index_key, self._k("lease", claim.lease_name)],
-            [claim.lease_name, claim.holder, "drop", claim.token],
+            [claim.lease_name, claim.holder, "drop", claim.token, ""],
         )
         return bool(reply)
 
@@ -1094,6 +1151,8 @@ class RedisLeaseStore(StoreDriver):
         if self._client is not None:
             with contextlib.suppress(Exception):
                 self._client.close()
+        if self.sentinel_link is not None:
+            self.sentinel_link.close()
 
 
 def _token(raw: Any, what: str) -> int:
@@ -1106,3 +1165,8 @@ def _token(raw: Any, what: str) -> int:
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _claim_token_arg(token: int | None) -> str:
+    """A claim token as the end and unclaim scripts compare it ('' names no claim)."""
+    return "" if token is None else str(int(token))

@@ -106,8 +106,13 @@ def check(ctx: click.Context, paths: tuple[str, ...], count: int) -> None:
         sys.exit(1)
     n = len(schedule.specs)
     click.echo(f"{n} entr{'y' if n == 1 else 'ies'} ok in {len(schedule.files)} file(s)")
+    rows = [e for e in schedule.entries.values() if e.origin == "django_celery_beat"]
+    if rows or schedule.source_errors:
+        click.echo(f"{len(rows)} django-celery-beat row(s) run: "
+                   f"{', '.join(sorted(e.name for e in rows)) or 'none'}")
     errors = [str(e) for e in (*schedule.file_errors, *schedule.duplicates)]
     errors += [f"entry {name!r}: {exc}" for name, exc in schedule.entry_errors.items()]
+    errors += schedule.source_errors
     if errors:
         _print_errors(errors)
         sys.exit(1)
@@ -172,6 +177,71 @@ def next_(ctx: click.Context, name: str, count: int) -> None:
     except CrawlError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
+
+
+@schedules.group(name="import", short_help="Write a schedule file from another scheduler.")
+def import_() -> None:
+    """The ``crawl schedules import`` group."""
+
+
+@import_.command(name="redbeat", short_help="RedBeat's entries as a schedule file.")
+@click.option("--url", default=None,
+              help="RedBeat's Redis (default: redbeat_redis_url, else the broker URL).")
+@click.option("--prefix", default=None,
+              help="RedBeat's key prefix (default: redbeat_key_prefix, else 'redbeat:').")
+@click.option("-o", "--output", default="beat_schedules/redbeat.toml", show_default=True,
+              help="The schedule file to write.")
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@click.pass_context
+def import_redbeat(ctx: click.Context, url: str | None, prefix: str | None, output: str,
+                   force: bool) -> None:
+    """Read RedBeat's entries from its Redis and write them as a schedule file, each with an
+    explicit tz (the app's timezone, which RedBeat's crontabs ran in); then list the entries
+    whose DST nights change and run `schedules check` on the file."""
+    import redis
+
+    from .redbeat import dst_changes, read_redbeat, render_file
+
+    app = app_of(ctx)
+    url = url or app.conf.get("redbeat_redis_url") or app.conf.broker_url
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise click.UsageError(f"--url: {url!r} is not a Redis URL (redis://host:port/db)")
+    prefix = prefix or app.conf.get("redbeat_key_prefix") or "redbeat:"
+    zone = app.conf.timezone or "UTC"
+    tz = str(getattr(zone, "key", zone))
+    if os.path.exists(output) and not force:
+        raise click.UsageError(f"{output} exists; pass --force to overwrite it")
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        converted = read_redbeat(client, prefix, tz)
+    except CrawlError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    finally:
+        client.close()
+    if not converted:
+        click.echo(f"error: no RedBeat entries under {prefix!r} ({prefix}:schedule is empty)",
+                   err=True)
+        sys.exit(1)
+    os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+    with open(output, "w", encoding="utf-8") as fh:
+        fh.write(render_file(converted, tz=tz, source=f"{prefix}* keys"))
+    written = [c for c in converted if c.refused is None]
+    click.echo(f"wrote {len(written)} of {len(converted)} RedBeat entries to {output} "
+               f"(tz {tz}, the app's timezone)")
+    for conv in converted:
+        if conv.refused is not None:
+            click.echo(f"  not imported: {conv.name} ({conv.key}): {conv.refused}")
+        for note in conv.notes:
+            click.echo(f"  {conv.name}: {note}")
+    now = _now()
+    changes = [(c.name, line) for c in written
+               for line in dst_changes(TzCron(c.fields["cron"], tz, name=c.name), start=now)]
+    click.echo(f"DST nights that change in the coming year: {len(changes) or 'none'}")
+    for name, line in changes:
+        click.echo(f"  {name}: {line}")
+    click.echo(f"--- schedules check {output}")
+    ctx.invoke(check, paths=(output,), count=1)
 
 
 def register(group: click.Group) -> None:

@@ -39,6 +39,7 @@ from ..errors import ConfigError, ScheduleError, ScheduleFileError
 from .cron import CronExpr
 from .entry import EntrySpec
 from .policies import DEFAULT_CATCHUP, DEFAULT_OVERLAP, Catchup, Fold, Gap, Overlap
+from .root import schedule_base
 from .tzcron import TzCron, jitter_seconds
 from .zones import load_zone
 
@@ -508,13 +509,14 @@ def check_duplicates_with_beat_schedule(
     return errors
 
 
-def load_app_schedule(app: Any, *, base_dir: str | Path = ".") -> LoadResult:
+def load_app_schedule(app: Any, *, base_dir: str | Path | None = None) -> LoadResult:
     """A Celery app's whole TzCron schedule: its files plus ``TzCron`` entries of
     ``beat_schedule``.
 
     Files come from ``crawl_schedule_paths`` (default ``beat_schedules/*.toml``), relative to
-    ``base_dir``. A file entry whose name is also in ``beat_schedule`` is reported and dropped:
-    the ``beat_schedule`` definition is kept. ``beat_schedule`` entries with another schedule
+    ``base_dir`` (default: the app's project root, as the beat resolves them). A file entry
+    whose name is also in ``beat_schedule`` is reported and dropped: the ``beat_schedule``
+    definition is kept. ``beat_schedule`` entries with another schedule
     type (``crontab``, intervals) are left to Celery and not included. Never raises for bad
     input.
     """
@@ -526,6 +528,8 @@ def load_app_schedule(app: Any, *, base_dir: str | Path = ".") -> LoadResult:
         result.errors.append(ScheduleFileError(
             f"crawl_schedule_paths must be a list of globs, got {_tname(paths)}"))
         return result
+    if base_dir is None:
+        base_dir = schedule_base(app).path
     result = load_schedule_files(list(paths), base_dir=base_dir)
     beat_schedule: Mapping[str, Any] = app.conf.get("beat_schedule") or {}
     duplicates = check_duplicates_with_beat_schedule(result, beat_schedule)

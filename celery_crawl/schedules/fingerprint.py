@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SHORT", "fingerprint"]
+__all__ = ["SHORT", "fingerprint", "schedule_fingerprint"]
 
 #: Hex digits kept for a ``beat_schedule`` entry: its stored records have always had 16.
 SHORT = 16
@@ -24,3 +25,10 @@ def fingerprint(definition: Any, *, digits: int | None = None) -> str:
     text = json.dumps(definition, sort_keys=True, separators=(",", ":"), default=repr)
     full = hashlib.sha256(text.encode()).hexdigest()
     return full if digits is None else full[:digits]
+
+
+def schedule_fingerprint(entries: Mapping[str, str]) -> str:
+    """The fingerprint of a whole schedule, from its entries' names and fingerprints: two beat
+    replicas with the same value run the same schedule (the fleet records it, ``crawl status``
+    compares replicas by it)."""
+    return fingerprint(dict(entries), digits=SHORT)

@@ -26,9 +26,10 @@ def beat_process(scheduler: Any) -> dict[str, Any]:
         "id": scheduler.replica_id,
         "role": election.role.value,
         "token": lease.token if lease else None,
-        "lease_left_s": round(election.remaining_s(), 3),
+        "lease_time_left_s": round(election.remaining_s(), 3),
         "blocked": election.blocked_reason,
         "entries": len(scheduler.entries),
+        "schedule": scheduler.schedule_fingerprint,
     }
 
 

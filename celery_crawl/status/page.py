@@ -102,43 +102,72 @@ def render_html(view: dict[str, Any]) -> str:
     ]
     if view.get("error"):
         parts.append(f"<p class='bad' id='error'>{_e(view['error'])}</p>")
+    # A worker's page is opened for the worker's own figures: they come first.
+    own_first = process.get("kind") == "worker"
+    if process and own_first:
+        parts.append("<h2>This process</h2>" + _kv(process, id_="process"))
     if "leader" in view:
-        leader = view["leader"]
-        parts.append("<h2>Leader</h2>")
-        if leader:
-            parts.append(_kv({"holder": leader["holder"], "token": leader["token"],
-                              "lease_left_s": leader["lease_left_s"]}, id_="leader"))
-        else:
-            parts.append("<p class='bad' id='leader'>no leader</p>")
-        parts.append(f"<h2>Beat replicas ({len(view['replicas'])})</h2>")
-        parts.append(_table(
-            ["replica", "host", "role", "token", "clock offset (s)", "last seen", "blocked"],
-            [[("id", r["id"]), ("host", r["host"]), ("role", r["role"]),
-              ("token", r["token"]),
-              ("clock_offset_s", None if r["clock_offset_s"] is None
-               else f"{r['clock_offset_s']:+.3f}"),
-              ("last_seen", r["last_seen"]), ("blocked", r["blocked"])]
-             for r in view["replicas"]], id_="replicas"))
-        parts.append(f"<h2>Next fires ({len(view['next_fires'])} of "
-                     f"{view['entries_total']} entries)</h2>")
-        parts.append(_table(
-            ["next fire", "entry", "runs", "last run", "paused", "skipped slots"],
-            [[("next_fire", r["next_fire"] or "never"), ("name", r["name"]),
-              ("runs", r["runs"]), ("last_run", r["last_run"]),
-              ("paused", "PAUSED" if r["paused"] else ""),
-              ("skipped", ", ".join(f"{k} {v}" for k, v in r["skipped"].items()))]
-             for r in view["next_fires"]], id_="entries"))
-        parts.append("<h2>Skipped slots by reason</h2>")
-        parts.append(_table(["reason", "slots"],
-                            [[("reason", k), ("count", v)] for k, v in view["skipped"].items()],
-                            id_="skipped"))
-        if view["errors"]:
-            parts.append("<h2>Errors</h2><ul id='errors'>"
-                         + "".join(f"<li>{_e(err)}</li>" for err in view["errors"]) + "</ul>")
-    if process:
+        parts.extend(_fleet(view))
+    if process and not own_first:
         parts.append("<h2>This process</h2>" + _kv(process, id_="process"))
     parts.append(f"<script>{_AGE_JS}</script></body></html>")
     return "".join(parts)
+
+
+def _fleet(view: dict[str, Any]) -> list[str]:
+    """The beat fleet's sections: leader, replicas, next fires, skipped slots, errors."""
+    parts = []
+    leader = view["leader"]
+    parts.append("<h2>Leader</h2>")
+    if leader:
+        parts.append(_kv({"holder": leader["holder"], "token": leader["token"],
+                          "lease_time_left_s": leader["lease_time_left_s"]}, id_="leader"))
+    else:
+        parts.append("<p class='bad' id='leader'>no leader</p>")
+    fleet = view.get("schedule")
+    if fleet:
+        parts.append(f"<p id='fleet-schedule'>The fleet runs schedule <code>"
+                     f"{_e(fleet.get('fingerprint'))}</code> ({_e(fleet.get('entries'))} "
+                     f"entries) since {_e(fleet.get('since'))}.</p>")
+    parts.append(f"<h2>Beat replicas ({len(view['replicas'])})</h2>")
+    parts.append(_table(
+        ["replica", "host", "role", "token", "schedule", "entries", "clock offset (s)",
+         "last seen", "blocked: why it may not lead"],
+        [[("id", r["id"]), ("host", r["host"]), ("role", r["role"]),
+          ("token", r["token"]),
+          ("schedule", (f"{r.get('schedule') or '?'} DIFFERS" if r.get("schedule_differs")
+                        else r.get("schedule"))),
+          ("entries", r.get("entries")),
+          ("clock_offset_s", None if r["clock_offset_s"] is None
+           else f"{r['clock_offset_s']:+.3f}"),
+          ("last_seen", r["last_seen"]), ("blocked", r["blocked"] or "no")]
+         for r in view["replicas"]], id_="replicas"))
+    parts.append("<p id='blocked-help'><small>A blocked replica keeps running as a standby but "
+                 "does not take the lead, for the reason shown: its wall clock is off the "
+                 "store's by more than crawl_max_clock_skew, the store may evict keys, or its "
+                 "schedule differs from the one the fleet runs (crawl_beat_schedule_mismatch)."
+                 " DIFFERS marks a schedule fingerprint other than the leader's.</small></p>")
+    parts.append(f"<h2>Next fires ({len(view['next_fires'])} of "
+                 f"{view['entries_total']} entries)</h2>")
+    parts.append(_table(
+        ["next fire (UTC)", "entry", "next fire (entry's zone)", "runs", "last run (UTC)",
+         "last run (entry's zone)", "paused", "skipped slots"],
+        [[("next_fire", r["next_fire"] or "never"), ("name", r["name"]),
+          ("next_fire_local", r.get("next_fire_local") or ""),
+          ("runs", r["runs"]), ("last_run", r["last_run"]),
+          ("last_run_local", r.get("last_run_local")),
+          ("paused", "PAUSED" if r["paused"] else ""),
+          ("skipped", ", ".join(f"{k} {v}" for k, v in r["skipped"].items()))]
+         for r in view["next_fires"]], id_="entries"))
+    parts.append("<h2>Skipped slots by reason</h2>")
+    rows: list[list[tuple[str, Any]]] = [[("reason", k), ("count", v)]
+                                         for k, v in view["skipped"].items()]
+    parts.append(_table(["reason", "slots"], rows or [[("reason", "none"), ("count", "")]],
+                        id_="skipped"))
+    if view["errors"]:
+        parts.append("<h2>Errors</h2><ul id='errors'>"
+                     + "".join(f"<li>{_e(err)}</li>" for err in view["errors"]) + "</ul>")
+    return parts
 
 
 class StatusSource:

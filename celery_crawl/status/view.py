@@ -53,7 +53,18 @@ def _replica(rec: Any) -> dict[str, Any]:
         "last_seen": rec.get("last_seen"),
         "blocked": rec.get("blocked") or None,
         "entries": rec.get("entries"),
+        "schedule": rec.get("schedule"),
     }
+
+
+def _mark_differing(replicas: list[dict[str, Any]], leader: str | None,
+                    fleet: dict[str, Any] | None) -> None:
+    """Set each replica's ``schedule_differs``: its schedule fingerprint is not the leader's
+    (or, with no leader, not the one the fleet last ran)."""
+    ref = next((r["schedule"] for r in replicas if leader is not None and r["id"] == leader),
+               None) or (fleet or {}).get("fingerprint")
+    for r in replicas:
+        r["schedule_differs"] = bool(ref) and r["schedule"] != ref
 
 
 def gather(app: Any, store: Any, *, limit: int = 10,
@@ -74,10 +85,14 @@ def gather(app: Any, store: Any, *, limit: int = 10,
     now = datetime.now(UTC)
     holder = store.holder(keys.BEAT_LEADER)
     left = store.lease_ttl_left(keys.BEAT_LEADER)
-    leader = ({"holder": holder[0], "token": holder[1], "lease_left_s": left}
+    leader = ({"holder": holder[0], "token": holder[1], "lease_time_left_s": left}
               if holder else None)
     presence = store.scan(keys.beat_presence(""))
     replicas = sorted((_replica(r) for r in presence.values()), key=lambda r: str(r["id"]))
+    fleet = store.get(keys.BEAT_SCHEDULE)
+    fleet = ({"fingerprint": fleet.get("fingerprint"), "entries": fleet.get("entries"),
+              "since": fleet.get("since")} if isinstance(fleet, dict) else None)
+    _mark_differing(replicas, holder[0] if holder else None, fleet)
     entries, errors = _entries(app, store, now, limit)
     skipped: dict[str, int] = {}
     for row in entries.pop("all"):
@@ -88,6 +103,7 @@ def gather(app: Any, store: Any, *, limit: int = 10,
         "namespace": getattr(store, "namespace", None),
         "store": getattr(store, "url", None),
         "leader": leader,
+        "schedule": fleet,
         "replicas": replicas,
         "entries_total": entries["total"],
         "next_fires": entries["next"],
@@ -101,12 +117,13 @@ def gather(app: Any, store: Any, *, limit: int = 10,
 
 def preload() -> None:
     """Import what :func:`gather` imports lazily (the beat modules import this package)."""
-    from ..beat import assembly, state  # noqa: F401
+    from ..beat import assembly, entries, state  # noqa: F401
 
 
 def _entries(app: Any, store: Any, now: datetime,
              limit: int) -> tuple[dict[str, Any], list[str]]:
     from ..beat.assembly import assemble
+    from ..beat.entries import zone_name, zoned
     from ..beat.state import EntryState, SkipLog, format_slot
 
     schedule = assemble(app)  # what the beat runs, the same way it assembles it
@@ -135,8 +152,12 @@ def _entries(app: Any, store: Any, now: datetime,
         rows.append((nxt, {
             "name": name,
             "next_fire": format_slot(nxt) if nxt else None,
+            "zone": zone_name(entry),
+            "next_fire_local": zoned(entry, nxt) if nxt else None,
             "runs": st.run_count if st else 0,
             "last_run": format_slot(st.last_run_slot) if st and st.last_run_slot else None,
+            "last_run_local": (zoned(entry, st.last_run_slot) if st and st.last_run_slot
+                               else None),
             "paused": bool(paused),
             "skipped": dict(sorted(totals.items())),
         }))

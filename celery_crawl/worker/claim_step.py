@@ -44,7 +44,6 @@ from .. import keys, metrics
 from ..config import CrawlConfig
 from ..errors import CrawlError, LeaseLost, PoisonMessage, StoreError, StoreUnavailable
 from ..leases.base import Lease, LeaseStore
-from ..leases.redis import RedisLeaseStore
 from . import replay
 from .backlog import Backlog
 from .broker import BrokerOps
@@ -54,18 +53,20 @@ from .claims import (
     Decision,
     Held,
     Outcome,
-    json_tag,
     lenient_int,
     message_digest,
 )
 from .context import CLAIM_HEADER
 from .delivery import Delivery
+from .desk import Desk
 from .keeper import Keeper
 from .lease_step import LeaseStep
-from .lines import Watch, line_for
+from .lines import Watch
 from .offload import Offloader
-from .riding import Riding
+from .riding import Riding, riding_for
+from .routes import ClaimLine, OffThread, Ridden, Route
 from .store_line import StoreLine, store_line_for
+from .unforged import strip_claim_token
 
 __all__ = ["ClaimStep"]
 
@@ -96,6 +97,8 @@ class ClaimStep(bootsteps.StartStopStep):
         metrics.WORKER_CLAIMS.set_function(self.book.__len__)
         self.backlog = Backlog()
         self.claimer: Claimer | None = None
+        #: The one lifecycle of every delivery (``desk.py``): made once the lease is held.
+        self.desk: Desk | None = None
         self.consumer: Any = None
         self.consuming = True
         self.fenced_count = 0
@@ -106,8 +109,6 @@ class ClaimStep(bootsteps.StartStopStep):
         #: The keeper generation last brought about on the loop (``_reconcile``).
         self._applied_generation = 0
         self._reconcile_lock = threading.RLock()
-        #: The lease the last claim decision on this thread was made under.
-        self._decided = threading.local()
         #: Store calls of deliveries and completions, off the event loop (``offload.py``).
         self._offload = Offloader(self._to_loop, {"decide": self._decide_batch,
                                                   "finish": self._complete_batch})
@@ -121,9 +122,14 @@ class ClaimStep(bootsteps.StartStopStep):
         #: Claims and ends riding in the current channel's own round trips (``riding.py``);
         #: None when the lease store is not the broker's Redis server.
         self._riding: Riding | None = None
+        #: The one log line saying claims do not ride behind Sentinel was written.
+        self._told_sentinel = False
         #: Claims and ends the loop sends to the lease store without waiting (``store_line``);
         #: None when they ride or the store cannot have one.
         self._line: StoreLine | None = None
+        self._ride_refusal_logged = False
+        #: How claims and ends travel (``routes.py``), chosen again at every consumer start.
+        self._route: Route = self._choose_route()
 
     # -- what the worker step holds ----------------------------------------------------------
     @property
@@ -166,6 +172,8 @@ class ClaimStep(bootsteps.StartStopStep):
                                max_deliveries=config.max_deliveries,
                                done_ttl_s=config.done_ttl_s, worker=self.hostname,
                                recheck_s=self._recheck_s)
+        self.desk = Desk(store, self.claimer, self._claim_lease, book=self.book,
+                         backlog=self.backlog, on_recorded=self._on_recorded)
         self._applied_generation = keeper.state().generation
 
     def release_deliveries(self, *, lease_held: bool) -> None:
@@ -193,13 +201,14 @@ class ClaimStep(bootsteps.StartStopStep):
         self._close_line()  # a start without a stop first: the old line's replies are read
         self.consumer = c
         self._ride(c)
-        if self._riding is None:
+        if self._riding is None and compat.fast_paths_ok():
             hub = getattr(self.worker, "hub", None)
             self._line = store_line_for(self.store, self.claimer, self.config.store_timeout_s,
                                         self._watch(), getattr(hub, "call_soon", None))
             if self._line is not None:
                 logger.info("celery-crawl: claims and ends go out from the consumer's loop on "
                             "a claim line to %s, without waiting", self._line.store.url)
+        self._route = self._choose_route()
         # The consumer's loop runs on this thread.
         self._loop_ident = threading.get_ident()
         self._loop_running = True
@@ -214,20 +223,44 @@ class ClaimStep(bootsteps.StartStopStep):
             self._stop_consuming(c, "no worker lease held")
         self._reconcile()
 
+    def _choose_route(self) -> Route:
+        """The route of this consumer's claims and ends (what ``start`` set up allows)."""
+        common: dict[str, Any] = {
+            "on_loop": self._offloading, "decide_later": self._decide_later,
+            "decide_now": self._decide, "end_later": self._complete_later,
+            "end_now": lambda held, state, requeue: self._complete(held, state,
+                                                                   requeue=requeue)}
+        if self._riding is not None:
+            return Ridden(take_claim=self._take_ridden, ride_end=self._ride_end, **common)
+        if self._line is not None:
+            return ClaimLine(send_claim=self._send_claim, send_end=self._send_end, **common)
+        return OffThread(**common)
+
+    def _take_ridden(self, message: Any) -> Any:
+        riding = self._riding
+        return riding.take(message, message.delivery_tag) if riding is not None else None
+
     def _ride(self, c: Any) -> None:
         """Have the claims and ends of this consumer's deliveries ride in its channel's own
         round trips, when the lease store is the broker's Redis server and database."""
-        store, claimer = self.store, self.claimer
-        if not isinstance(store, RedisLeaseStore) or claimer is None:
-            return
+        store = self.store
+        if getattr(store, "sentinel", False) and not self._told_sentinel:
+            # Sentinel may move the master between the broker's round trips and the store's:
+            # claims and ends keep their own round trips (batched), on the master.
+            self._told_sentinel = True
+            logger.info("celery-crawl: the lease store is behind Sentinel: claims and ends do "
+                        "not ride in the broker's round trips (the master may move)")
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
-        where = compat.redis_channel_server(channel)
-        if channel is None or where is None or not store.shares_server(where):
+        riding, refusal = riding_for(self.store, self.claimer, channel, self._ride_ended,
+                                     timeout_s=self.config.store_timeout_s,
+                                     watch=self._watch(), on_loop=self._offloading)
+        if refusal is not None and not self._ride_refusal_logged:
+            self._ride_refusal_logged = True
+            logger.warning("celery-crawl: claims and ends do not ride in the broker's round "
+                           "trips: %s", refusal)
+        if riding is None:
             return
-        self._riding = Riding(store, claimer, channel, self._ride_ended,
-                              ack_line=line_for(channel.pool, self.config.store_timeout_s,
-                                                name="ack line", watch=self._watch()),
-                              on_loop=self._offloading)
+        self._riding = riding
         compat.ride_redis_acks(channel, self._on_append, self._on_ack)
         logger.info("celery-crawl: the lease store is the broker's Redis database: claims and "
                     "ends ride in the broker's own round trips")
@@ -282,23 +315,8 @@ class ClaimStep(bootsteps.StartStopStep):
         self._drop_if_unheld(held, lease)
 
     def _drop_if_unheld(self, held: Held, lease: Lease) -> bool:
-        """A claim call whose reply never came may have made its claim: drop it if so (no run
-        here holds it). True when one was dropped."""
-        if self.store is None:
-            return False
-        key = keys.task_claim(held.task_id)
-        with contextlib.suppress(StoreError, LeaseLost):
-            current = self.store.claimant(key)
-            if (current is None or current.lease_name != lease.name
-                    or current.holder != lease.holder
-                    or current.value.get("delivery_tag") != json_tag(held.delivery_tag)
-                    or any(h.token == current.token for h in self.book.snapshot())):
-                return False
-            # Bound to our live lease, so only an unclaim deletes it (``drop_claim`` takes
-            # orphans of dead leases only). No other claim of the key can be made meanwhile:
-            # this one, alive, stands in its way.
-            return bool(self.store.unclaim(lease, key))
-        return False
+        """``Desk.drop_if_unheld`` (False before the lease was first held)."""
+        return self.desk.drop_if_unheld(held, lease) if self.desk is not None else False
 
     def _on_append(self, message: Any, unacked_keys: list[Any], unacked_args: list[Any]
                    ) -> Any:
@@ -318,8 +336,11 @@ class ClaimStep(bootsteps.StartStopStep):
                 or "id" not in headers or consumer is None
                 or headers.get("task") not in consumer.strategies):
             return None
-        return riding.claim(self._held(message, str(headers["task"])), lease, unacked_keys,
-                            unacked_args)
+        try:
+            held = self._held(message, str(headers["task"]))
+        except InvalidTaskError:
+            return None  # a plain append: the strategy refuses the message
+        return riding.claim(held, lease, unacked_keys, unacked_args)
 
     def _on_ack(self, tag: Any, unacked_keys: list[Any], unacked_args: list[Any]) -> Any:
         riding = self._riding
@@ -338,21 +359,19 @@ class ClaimStep(bootsteps.StartStopStep):
                 or not riding.carries(held.message) or compat.channel_gone(held.message)):
             return False
         held.handoff = finishing.take(held.task_id)
-        if self.book.pop(held) is None:
+        if not self._the_desk.ending(held):
             return True  # released meanwhile: nothing to record
         if not riding.end(held, state, requeue, lease):
-            self._defer(held, state, requeue)
+            self._the_desk.failed(held, state, requeue)
         return True
 
     def _ride_ended(self, held: Held, state: str, requeue: bool,
                     error: Exception | None) -> None:
         """The round trip that carried an end answered."""
         if error is not None:
-            logger.warning("celery-crawl: recording the end of %s failed (%s); will retry",
-                           held.task_id, error)
-            self._defer(held, state, requeue)
-        elif held.handoff:
-            self._wake_parked(held.task_id)
+            self._the_desk.failed(held, state, requeue, error)
+        else:
+            self._the_desk.recorded(held)
 
     @property
     def _recheck_s(self) -> float:
@@ -436,8 +455,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 # Task protocol 1: headers carry no id; run unprotected (logged once per task),
                 # and without a claim token: Celery builds its request from the body and the
                 # headers, so neither may bring one in.
-                if headers is not None:
-                    headers.pop(CLAIM_HEADER, None)
+                _strip(message)
                 if isinstance(body, dict):
                     body.pop(CLAIM_HEADER, None)
                 if task_name not in step._unprotected:
@@ -447,9 +465,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 return original(message, body, ack, reject, callbacks, **kwargs)
             delivery = Delivery(original, body, ack, reject, callbacks, kwargs,
                                 consumer=step.consumer)
-            riding = step._riding
-            claimed = (riding.take(message, message.delivery_tag) if riding is not None
-                       else None)
+            claimed = step._route.take(message)
             if claimed is not None and claimed.decision is not None:
                 # Claimed in the round trip that recorded the message as unacked.
                 claimed.held.delivery = delivery
@@ -457,11 +473,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 return None
             held = claimed.held if claimed is not None else step._held(message, task_name)
             held.delivery = delivery
-            if step._offloading():
-                if not step._send_claim(held):
-                    step._decide_later(held)
-            else:
-                step._decide(held)
+            step._route.arrive(held)
             return None
 
         crawl_claimed_strategy.__wrapped__ = original  # type: ignore[attr-defined]
@@ -470,8 +482,8 @@ class ClaimStep(bootsteps.StartStopStep):
     def _held(self, message: Any, task_name: str) -> Held:
         """A hold for a task message (protocol 2) just received."""
         headers = message.headers
-        # Never trust a producer's value: the header is ours.
-        headers.pop(CLAIM_HEADER, None)
+        # Never trust a producer's value, wherever it put one: the token is the claim's.
+        _strip(message)
         info = message.delivery_info or {}
         retries = lenient_int(headers.get("retries"))
         return Held(
@@ -484,11 +496,14 @@ class ClaimStep(bootsteps.StartStopStep):
         )
 
     def _claim_lease(self) -> Lease | None:
-        """The lease for ``Claimer`` (read once per decision), remembered per thread so the
-        hold records the lease its claim is bound to."""
-        lease = self.keeper.lease if self.keeper else None
-        self._decided.lease = lease
-        return lease
+        """The worker's current lease (``Desk`` returns the one each decision was made
+        under with the decision)."""
+        return self.keeper.lease if self.keeper else None
+
+    @property
+    def _the_desk(self) -> Desk:
+        assert self.desk is not None, "no lease was ever held: nothing to decide or record"
+        return self.desk
 
     def _offloading(self) -> bool:
         """Whether store calls of this thread go to the offload thread: only on the running
@@ -596,34 +611,16 @@ class ClaimStep(bootsteps.StartStopStep):
                 logger.warning("celery-crawl: restoring a delivery of the old connection "
                                "failed (%s); kombu's visibility timeout will", exc)
 
-    def _decision_for(self, held: Held, *, presume_fresh: bool = True,
-                      own_claim_dropped: bool = False) -> tuple[Decision, Lease | None]:
+    def _decision_for(self, held: Held, *, presume_fresh: bool = True
+                      ) -> tuple[Decision, Lease | None]:
         """The store part of a decision, and the lease its claim was made under."""
-        assert self.claimer is not None
-        self._decided.lease = None
-        try:
-            decision = self.claimer.decide(
-                held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
-                exchange=held.exchange, routing_key=held.routing_key,
-                retries=held.retries, generation=held.generation, digest=held.digest_now(),
-                known_deliveries=held.deliveries, parked=held.parked,
-                holder=held.holder, alive_at=held.alive_at, presume_fresh=presume_fresh)
-        except StoreError as exc:
-            # Fail closed: neither run nor drop; look again on the next re-check.
-            logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, exc)
-            decision = Decision(Outcome.PARK, deliveries=held.deliveries, holder=held.holder,
-                                alive_at=held.alive_at)
-        lease = self.keeper.lease if self.keeper else None
-        if (decision.outcome is Outcome.PARK and lease is not None and not own_claim_dropped
-                and decision.holder == lease.holder and self._drop_if_unheld(held, lease)):
-            # Parked behind a claim of this very delivery under our own lease that no run here
-            # holds: a claim call of ours that was made but whose reply was lost (a timeout, a
-            # line that failed), and whose drop failed too. Our lease keeps it alive, so
-            # waiting for it would wait forever: dropped, and the delivery decided again.
-            logger.info("celery-crawl: %s was parked behind a claim of its own whose reply "
-                        "was lost; claiming it again", held.task_id)
-            return self._decision_for(held, presume_fresh=False, own_claim_dropped=True)
-        return decision, getattr(self._decided, "lease", None)
+        return self._the_desk.decide(held, presume_fresh=presume_fresh)
+
+    def _waits_for_own_run(self, held: Held, holder: str | None) -> bool:
+        """A retry or replacement (a later generation of the message) parked behind a claim
+        of this worker, or one that ended while being read: it waits for its own run."""
+        own = holder is None or (self.keeper is not None and holder == self.keeper.holder)
+        return own and held.generation != (0, 0)
 
     def _decide(self, held: Held) -> None:
         first = not held.parked
@@ -637,42 +634,35 @@ class ClaimStep(bootsteps.StartStopStep):
             self.book.pop(held)
             self._release(held, "no worker lease held")
         elif outcome is Outcome.DUPLICATE:
-            self.book.pop(held)
-            self.duplicates += 1
-            metrics.WORKER_DUPLICATES_PARKED.labels("dropped").inc()
-            logger.warning("celery-crawl: %s[%s] already finished (done tombstone) and handed "
-                           "its id on to no newer message; dropping this delivery as a "
-                           "duplicate", held.task_name, held.task_id)
-            # Its canvas gets the finished run's outcome before the ack (replay.py).
-            replay.then_ack(self.app, held.task_name, held.task_id, held.message, self.hostname,
-                            functools.partial(self._call_ack, held),
-                            self._offload.submit if self._offloading() else None)
+            self._drop_duplicate(held)
         elif outcome is Outcome.PARK:
-            held.parked = True
-            held.holder = decision.holder
-            held.alive_at = decision.alive_at
-            held.deliveries = decision.deliveries
-            self.book.add(held)
+            self._the_desk.parked(held, decision)
             if first:
-                metrics.WORKER_DUPLICATES_PARKED.labels("parked").inc()
-                own = self.keeper is not None and decision.holder == self.keeper.holder
-                # Our own claim: a retry or replacement received while the run that published
-                # it is still ending here (Celery's normal course, not a fault worth a warning).
-                logger.log(logging.INFO if own else logging.WARNING,
-                           "celery-crawl: %s[%s] is claimed by live worker %s%s; parked "
-                           "(not run, not acked) until that claim ends",
-                           held.task_name, held.task_id, decision.holder,
-                           " (this worker)" if own else "")
+                waiting = self._waits_for_own_run(held, decision.holder)
+                metrics.WORKER_DUPLICATES_PARKED.labels("waiting" if waiting else "parked").inc()
+                if waiting:
+                    # A retry or replacement received while the run that published it is
+                    # still ending (Celery's normal course, not a fault worth a warning).
+                    logger.info("celery-crawl: %s[%s] is a %s waiting for its previous run "
+                                "to end%s; parked (not run, not acked) until then",
+                                held.task_name, held.task_id,
+                                "retry" if held.generation[0] == 0 else "replacement",
+                                _on_worker(decision.holder, self.keeper))
+                elif decision.holder is None:
+                    logger.warning("celery-crawl: %s[%s] is a duplicate delivery whose run's "
+                                   "claim ended while being read; parked (not run, not acked) "
+                                   "and looked at again shortly", held.task_name, held.task_id)
+                else:
+                    logger.warning("celery-crawl: %s[%s] is a duplicate delivery: its run "
+                                   "holds a live claim%s; parked (not run, not acked) until "
+                                   "that claim ends", held.task_name, held.task_id,
+                                   _on_worker(decision.holder, self.keeper))
         else:
             # ``claimed_under``: the lease the claim was made under (the keeper may hold a newer
             # one by now).
-            held.parked = False
-            held.token = decision.token
-            held.deliveries = decision.deliveries
-            held.lease_name = claimed_under.name if claimed_under else None
-            held.holder = claimed_under.holder if claimed_under else None
-            self.book.add(held)
-            if not first:
+            waited = not first and self._waits_for_own_run(held, held.holder)
+            self._the_desk.claimed(held, decision, claimed_under)
+            if not first and not waited:
                 metrics.WORKER_DUPLICATES_PARKED.labels("run").inc()
             if outcome is Outcome.POISON:
                 self._poison(held)
@@ -682,6 +672,20 @@ class ClaimStep(bootsteps.StartStopStep):
                     # The task of a dead worker, now handed to the pool here: from its death.
                     metrics.WORKER_PREEMPTION_LATENCY.observe(
                         max(0.0, time.time() - decision.died_at))
+
+    def _drop_duplicate(self, held: Held) -> None:
+        """The one place a delivery is dropped as a duplicate of a finished run (its done
+        tombstone hands the id on to no newer message): acked, never run."""
+        self.book.pop(held)
+        self.duplicates += 1
+        metrics.WORKER_DUPLICATES_PARKED.labels("dropped").inc()
+        logger.warning("celery-crawl: %s[%s] already finished (done tombstone) and handed "
+                       "its id on to no newer message; dropping this delivery as a "
+                       "duplicate", held.task_name, held.task_id)
+        # Its canvas gets the finished run's outcome before the ack (replay.py).
+        replay.then_ack(self.app, held.task_name, held.task_id, held.message, self.hostname,
+                        functools.partial(self._call_ack, held),
+                        self._offload.submit if self._offloading() else None)
 
     def _run(self, held: Held) -> None:
         run = _delivery(held)
@@ -693,14 +697,7 @@ class ClaimStep(bootsteps.StartStopStep):
             settle = _settler(held, run.ack, args, kw)
             if not self._lease_valid_for(held):
                 return self._complete_stale(held, "done", False, settle)
-            if self._ride_end(held, "done", False):
-                return settle()
-            if self._offloading():
-                if not self._send_end(held, "done", False, settle):
-                    self._complete_later(held, "done", False, settle)
-                return None
-            self._complete(held, "done", requeue=False)
-            return settle()
+            return self._route.end(held, "done", False, settle)
 
         def on_reject(*args: Any, **kw: Any) -> Any:
             if held.fenced:
@@ -709,11 +706,7 @@ class ClaimStep(bootsteps.StartStopStep):
             settle = _settler(held, run.reject, args, kw)
             if not self._lease_valid_for(held):
                 return self._complete_stale(held, "rejected", requeue, settle)
-            if self._offloading():
-                self._complete_later(held, "rejected", requeue, settle)
-                return None
-            self._complete(held, "rejected", requeue=requeue)
-            return settle()
+            return self._route.end(held, "rejected", requeue, settle)
 
         try:
             run.strategy(held.message, run.body, on_ack, on_reject, run.callbacks, **run.kwargs)
@@ -742,7 +735,7 @@ class ClaimStep(bootsteps.StartStopStep):
         would delete the other worker's unacked entry); RabbitMQ knows whether the delivery is
         still ours, so it is settled normally. The store calls run off the consumer's loop.
         """
-        self.book.pop(held)
+        self.book.end(held)
         held.handoff = finishing.take(held.task_id)
         held.fenced = True
         if self._offloading():
@@ -761,6 +754,9 @@ class ClaimStep(bootsteps.StartStopStep):
             ours = current is not None and current.token == held.token
         except StoreError:
             ours = None
+        finally:
+            # Recorded below or never: the end names its claim, so it cannot touch another.
+            self.book.recorded(held)
         logger.warning("celery-crawl: %s[%s] ended after its lease was lost (claim %s)",
                        held.task_name, held.task_id,
                        {True: "still ours", False: "taken over", None: "unknown"}[ours])
@@ -789,7 +785,7 @@ class ClaimStep(bootsteps.StartStopStep):
                 or lease.name != held.lease_name):
             return False
         held.handoff = finishing.take(held.task_id)
-        if self.book.pop(held) is None:  # released meanwhile: nothing to record
+        if not self._the_desk.ending(held):  # released meanwhile: nothing to record
             _settle_unless_fenced(held, settle)
             return True
 
@@ -804,44 +800,20 @@ class ClaimStep(bootsteps.StartStopStep):
     def _complete_batch(self, ends: list[tuple[Held, str, bool, Callable[[], Any]]]
                         ) -> list[Callable[[], None]]:
         """Offload thread: record the ends of runs that ended together (one store round trip,
-        ``Claimer.finish_many``), then settle their messages on the loop."""
-        assert self.claimer is not None
-        recorded: list[tuple[Held, str, bool]] = []
-        for held, state, requeue, _ in ends:
+        ``Desk.record_many``), then settle their messages on the loop."""
+        for held, _, _, _ in ends:
             held.handoff = finishing.take(held.task_id)
-            if self.book.pop(held) is not None:
-                recorded.append((held, state, requeue))
-        if recorded:
-            if self.keeper is None or self.keeper.lease is None:
-                for held, state, requeue in recorded:
-                    self._defer(held, state, requeue)
-            else:
-                errors = self.claimer.finish_many(recorded)
-                for (held, state, requeue), exc in zip(recorded, errors, strict=True):
-                    if exc is not None:
-                        logger.warning("celery-crawl: recording the end of %s failed (%s); "
-                                       "will retry", held.task_id, exc)
-                        self._defer(held, state, requeue)
-                    elif held.handoff:
-                        self._wake_parked(held.task_id)
+        self._the_desk.record_many([(held, state, requeue) for held, state, requeue, _ in ends])
         return [functools.partial(_settle_unless_fenced, held, settle)
                 for held, _, _, settle in ends]
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
+        """The end sequence, waiting for the store (``Desk.record``)."""
         held.handoff = finishing.take(held.task_id)
-        if self.book.pop(held) is None:
-            return
-        assert self.claimer is not None
-        if self.keeper is None or self.keeper.lease is None:
-            self._defer(held, state, requeue)
-            return
-        try:
-            self.claimer.finish(held, state=state, requeue=requeue)
-        except (StoreError, LeaseLost) as exc:
-            logger.warning("celery-crawl: recording the end of %s failed (%s); will retry",
-                           held.task_id, exc)
-            self._defer(held, state, requeue)
-            return
+        self._the_desk.record(held, state, requeue)
+
+    def _on_recorded(self, held: Held) -> None:
+        """An end is recorded: a parked copy waiting for its hand-off is decided at once."""
         if held.handoff:
             self._wake_parked(held.task_id)
 
@@ -864,12 +836,11 @@ class ClaimStep(bootsteps.StartStopStep):
         return any(h is held for h in self.book.snapshot())
 
     def _defer(self, held: Held, state: str, requeue: bool) -> None:
-        self.backlog.add(held, state, requeue)
+        self._the_desk.failed(held, state, requeue)
 
     def drain_backlog(self) -> None:
         """Keeper hook: record the ends that could not be recorded when they happened."""
-        assert self.claimer is not None
-        self.backlog.drain(self.claimer.finish)
+        self._the_desk.drain_backlog()
 
     def _call_ack(self, held: Held) -> None:
         ack = _delivery(held).ack
@@ -1093,11 +1064,11 @@ class ClaimStep(bootsteps.StartStopStep):
         if req is None or compat.request_message(req) is not held.message:
             return 0
         # Not announced as revoked/retried: the task is not over, it runs elsewhere.
-        compat.cancel_quietly(req)
+        compat.cancel_quietly(req, getattr(self.consumer, "timer", None))
         pool = self.worker.pool
         if self.pool_name == "prefork":
             with contextlib.suppress(Exception):
-                req.cancel(pool, signal=_signal.SIGKILL, emit_retry=False)
+                compat.cancel_request(req, pool, _signal.SIGKILL)
             if not req.time_start:
                 worker_state.task_ready(req)
             return 1
@@ -1149,7 +1120,7 @@ class ClaimStep(bootsteps.StartStopStep):
             "fenced": self.fenced_count, "duplicates_dropped": self.duplicates,
             "poisoned": self.poisoned, "backlog": len(self.backlog),
             "rides_broker": self._riding is not None,
-            "claim_line": self._line is not None,
+            "claim_line": self._line is not None, "route": self._route.name,
         }
 
     def claims(self) -> list[dict[str, Any]]:
@@ -1159,6 +1130,17 @@ class ClaimStep(bootsteps.StartStopStep):
              "waiting_for": h.holder if h.parked else None}
             for h in self.book.snapshot()
         ]
+
+
+def _strip(message: Any) -> None:
+    """``strip_claim_token``; a body it cannot write back is left for Celery to refuse (its
+    embed then still carries the key: the message must not run)."""
+    try:
+        strip_claim_token(message)
+    except Exception as exc:
+        logger.error("celery-crawl: cannot remove a forged claim token from a message (%s); "
+                     "refusing it", exc)
+        raise InvalidTaskError(f"a {CLAIM_HEADER} in the body that cannot be removed") from exc
 
 
 def _settle_unless_fenced(held: Held, settle: Callable[[], Any]) -> None:
@@ -1199,3 +1181,11 @@ def _digest_of(message: Any) -> str:
 def _jsonable(value: Any) -> Any:
     return value if isinstance(value, int | str | float) or value is None else str(value)
 
+
+def _on_worker(holder: str | None, keeper: Any) -> str:
+    """`` on worker X`` for the log: this worker, another one, or unknown (ended meanwhile)."""
+    if holder is None:
+        return " (that run's claim ended while being read; looked at again shortly)"
+    if keeper is not None and holder == keeper.holder:
+        return " on this worker"
+    return f" on worker {holder}"

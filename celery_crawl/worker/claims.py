@@ -169,12 +169,42 @@ class Held:
 class ClaimBook:
     """Thread-safe registry of the deliveries this worker holds (one entry per delivery).
 
-    Pool threads (threads pool callbacks), the event loop and the maintenance thread all touch it.
+    A hold is *live* (claimed and running, or parked) until its run ends, then *ending* until
+    its end is recorded in the store (on its way, in the backlog, riding an ack): its claim is
+    still this worker's run's, so nothing may mistake it for a claim whose reply was lost
+    (``has_token``). Pool threads (threads pool callbacks), the event loop and the maintenance
+    thread all touch it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_tag: dict[int, Held] = {}
+        self._ending: dict[int, Held] = {}
+
+    def end(self, held: Held) -> Held | None:
+        """``held``'s run ended: from live to ending. None if it was not live (released or
+        ended already): nothing to record."""
+        with self._lock:
+            got = self._by_tag.pop(held.key, None)
+            if got is not None and got.token is not None:
+                self._ending[got.key] = got
+            return got
+
+    def recorded(self, held: Held) -> None:
+        """``held``'s end is recorded in the store (or will never be by this worker)."""
+        with self._lock:
+            self._ending.pop(held.key, None)
+
+    def has_token(self, token: int) -> bool:
+        """Whether a hold, live or ending, carries claim token ``token``."""
+        with self._lock:
+            return any(h.token == token for h in self._by_tag.values()) or any(
+                h.token == token for h in self._ending.values())
+
+    def ending(self) -> int:
+        """How many ends are not recorded yet."""
+        with self._lock:
+            return len(self._ending)
 
     def add(self, held: Held) -> None:
         with self._lock:
@@ -462,7 +492,7 @@ class Claimer:
         if held.token is not None and lease is not None and lease.name == held.lease_name:
             # Record and unclaim in one atomic store operation (record first).
             self.store.finish_claim(lease, keys.task_claim(held.task_id), *record,
-                                    ttl_s=self.done_ttl_s)
+                                    ttl_s=self.done_ttl_s, token=held.token)
             return
         self.store.put(*record, ttl_s=self.done_ttl_s)
         self.drop(held, lease)
@@ -484,12 +514,15 @@ class Claimer:
                     out[i] = exc
         if batch and lease is not None:
             items = []
+            tokens: list[int | None] = []
             for i in batch:
                 held, state, requeue = ends[i]
                 record, value = self._end_record(held, state, requeue)
                 items.append((keys.task_claim(held.task_id), record, value))
+                tokens.append(held.token)
             try:
-                replies = self.store.finish_claims(lease, items, ttl_s=self.done_ttl_s)
+                replies = self.store.finish_claims(lease, items, ttl_s=self.done_ttl_s,
+                                                   tokens=tokens)
             except StoreError as exc:
                 replies = [exc] * len(items)
             for i, reply in zip(batch, replies, strict=True):
@@ -514,7 +547,7 @@ class Claimer:
         lease = lease if lease is not None else self._lease()
         if lease is not None and lease.name == held.lease_name:
             try:
-                self.store.unclaim(lease, keys.task_claim(held.task_id))
+                self.store.unclaim(lease, keys.task_claim(held.task_id), token=held.token)
                 return
             except LeaseLost:
                 pass

@@ -27,6 +27,21 @@ def _user_set(app: Any, key: str) -> bool:
     return key in getattr(conf, "changes", {})
 
 
+def _bound_redis_broker(app: Any, config: CrawlConfig) -> None:
+    """A Redis broker's ``socket_timeout`` (kombu waits forever by default) defaults to
+    ``crawl_store_timeout``: claims and ends riding in kombu's round trips are made on the
+    consumer's loop with kombu's client, and a worker cut off from Redis inside one must get
+    its loop back within the overlap bound (``ride_gate.py``). An app that sets it keeps it."""
+    url = app.conf.get("broker_url") or ""
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "redis+socket")):
+        return
+    options = dict(app.conf.get("broker_transport_options") or {})
+    if "socket_timeout" in options:
+        return
+    options["socket_timeout"] = config.store_timeout_s
+    app.conf["broker_transport_options"] = options
+
+
 def install_worker(app: Any, config: CrawlConfig | None = None) -> CrawlConfig:
     """Register ``LeaseStep`` and ``ClaimStep`` on ``app`` and turn on what recovery needs.
 
@@ -61,6 +76,7 @@ def install_worker(app: Any, config: CrawlConfig | None = None) -> CrawlConfig:
                        ("broker_heartbeat", heartbeat)):
         if not _user_set(app, key):
             app.conf[key] = value
+    _bound_redis_broker(app, config)
     if _user_set(app, "broker_heartbeat"):
         current = app.conf.get("broker_heartbeat")
         if current and current > config.worker_lease_ttl_s:

@@ -371,7 +371,7 @@ class Keeper:
             "lease": lease.name if lease else None,
             "token": lease.token if lease else None,
             "generation": self._generation,
-            "time_left_s": self.time_left(),
+            "lease_time_left_s": self.time_left(),
             "ttl_s": self.ttl_s,
             "renew_ok": self.renew_ok,
             "renew_failed": self.renew_failed,

@@ -3,19 +3,20 @@
 ``LeaseStep`` lives as long as the worker: it checks the setup, opens the lease store (main
 process only - prefork children never see it), takes the worker lease and starts the renewal
 thread with the reaper. What happens to deliveries is the consumer step's
-(``claim_step.ClaimStep``); the two meet through ``claim_step``, which the consumer step sets when
-Celery builds the consumer (before any step starts), and through the lease machinery this step
-hands it in ``start``.
+(``claim_step.ClaimStep``); the two meet through ``claim_step`` (a ``ClaimSide`` handle), which
+the consumer step sets when Celery builds the consumer (before any step starts), and through the
+lease machinery this step hands it in ``start``. This module does not import the claim step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery import bootsteps, signals
 
+from .. import _celery_compat as compat
 from .. import _finishing as finishing
 from .. import _issued as issued
 from .. import metrics, status
@@ -29,8 +30,19 @@ from .keeper import Keeper
 from .reaper import Reaper, orphan_grace
 from .stats import flat_stats
 
-if TYPE_CHECKING:
-    from .claim_step import ClaimStep
+
+class ClaimSide(Protocol):
+    """What the worker step needs of the consumer's claim step (``claim_step.ClaimStep``),
+    which registers itself here: the two share state through this handle, not through each
+    other's modules (no import circle)."""
+
+    def changed_from_thread(self) -> None: ...
+    def refresh_unacked(self) -> None: ...
+    def drain_backlog(self) -> None: ...
+    def bind_lease(self, store: LeaseStore, keeper: Keeper) -> None: ...
+    def release_deliveries(self, *, lease_held: bool) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+    def claims(self) -> list[dict[str, Any]]: ...
 
 __all__ = ["LeaseStep"]
 
@@ -52,6 +64,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self.app = w.app
         self.config = CrawlConfig.from_app(w.app)
         check_beat(beat)
+        compat.warn_untested("worker")
         self.pool_name = check_pool(w.pool_cls)
         self.memory_limit = check_memory(
             self.config.min_memory_bytes, w.app.conf.get("worker_max_memory_per_child"))
@@ -62,7 +75,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self.keeper: Keeper | None = None
         self.reaper: Reaper | None = None
         #: The consumer step of this worker (it registers itself when the consumer is built).
-        self.claim_step: ClaimStep | None = None
+        self.claim_step: ClaimSide | None = None
         self._closed = False
         # Before the pool forks (our start runs after it), so every child inherits the path; a
         # threads pool runs its tasks here, and keeps its marks in memory.
@@ -75,6 +88,7 @@ class LeaseStep(bootsteps.StartStopStep):
         claims = self.claim_step
         assert claims is not None, "ClaimStep is installed with LeaseStep (install_worker)"
         self.store = store_for(config)
+        metrics.watch_master_changes(self.store)
         self.broker = broker_ops(self.app, timeout_s=max(2.0, config.store_timeout_s))
         self.keeper = Keeper(self.store, ttl_s=config.worker_lease_ttl_s,
                              on_change=claims.changed_from_thread)
@@ -87,6 +101,7 @@ class LeaseStep(bootsteps.StartStopStep):
         claims.bind_lease(self.store, self.keeper)
         self.keeper.start()
         status.install(self.app, lambda: status.worker_process(self))
+        metrics.start_at_zero("worker")
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_addr)
         self._warn_acks_early()
         signals.worker_shutdown.connect(self._on_worker_shutdown, weak=False)

@@ -41,9 +41,10 @@ from ..errors import CrawlError, StoreUnavailable
 from ..leases.base import Lease
 from ..leases.redis import RedisLeaseStore
 from .claims import Claimer, Decision, Held
-from .lines import ReplyLine
+from .lines import ReplyLine, Watch, line_for
+from .ride_gate import installed_versions, ride_refusal
 
-__all__ = ["Claimed", "RiddenEnd", "Riding"]
+__all__ = ["Claimed", "RiddenEnd", "Riding", "riding_for"]
 
 logger = logging.getLogger("celery_crawl.worker")
 
@@ -167,7 +168,7 @@ class Riding:
                                                          waiting.requeue)
         command, outcome = self.store.finish_command(
             waiting.lease, claim_key, record, value, ttl_s=self.claimer.done_ttl_s,
-            unacked=(unacked_keys, unacked_args))
+            token=waiting.held.token, unacked=(unacked_keys, unacked_args))
 
         def after(reply: Any) -> None:
             error = (StoreUnavailable("the broker round trip carrying the end failed")
@@ -209,3 +210,25 @@ class Riding:
             for each in out:
                 del self._ends[each.held.delivery_tag]
         return out
+
+
+def riding_for(store: Any, claimer: Claimer | None, channel: Any, ended: Ended, *,
+               timeout_s: float, watch: Watch | None,
+               on_loop: Callable[[], bool]) -> tuple[Riding | None, str | None]:
+    """A ``Riding`` for broker ``channel`` when the lease store is the broker's own Redis server
+    and database, and ``ride_gate.ride_refusal`` allows it (tested versions, a broker socket
+    timeout bounded by ``timeout_s``: ``crawl_store_timeout``). ``(None, None)``: riding does
+    not apply (another store or transport); ``(None, reason)``: it applies but is refused."""
+    if not isinstance(store, RedisLeaseStore) or claimer is None or channel is None:
+        return None, None
+    where = compat.redis_channel_server(channel)
+    if where is None or not store.shares_server(where):
+        return None, None
+    refusal = ride_refusal(*installed_versions(),
+                           socket_timeout_s=channel.pool.connection_kwargs.get("socket_timeout"),
+                           store_timeout_s=timeout_s)
+    if refusal is not None:
+        return None, refusal
+    return Riding(store, claimer, channel, ended,
+                  ack_line=line_for(channel.pool, timeout_s, name="ack line", watch=watch),
+                  on_loop=on_loop), None

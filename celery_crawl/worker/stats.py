@@ -17,7 +17,7 @@ STATS_KEYS: dict[str, str] = {
     "lease": "crawl_lease_name",
     "token": "crawl_lease_token",
     "generation": "crawl_lease_generation",
-    "time_left_s": "crawl_lease_left_s",
+    "lease_time_left_s": "crawl_lease_time_left_s",
     "ttl_s": "crawl_lease_ttl_s",
     "consuming": "crawl_consuming",
     "claims": "crawl_claims",

@@ -75,7 +75,8 @@ class StoreLine:
         have been recorded). False when it could not be sent."""
         claim_key, record, value = self.claimer.end_item(held, state, requeue)
         command, outcome = self.store.finish_command(lease, claim_key, record, value,
-                                                     ttl_s=self.claimer.done_ttl_s)
+                                                     ttl_s=self.claimer.done_ttl_s,
+                                                     token=held.token)
 
         def after(reply: Any) -> None:
             ended(StoreUnavailable(f"{self.store.url}: the claim line failed before the end's "

@@ -15,6 +15,7 @@ from celery.app.task import Context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from celery_crawl._celery_compat import pool_connection
 from celery_crawl.backends import AuditedRedisBackend
 from celery_crawl.backends.audit import history, iter_records, verify
 from celery_crawl.errors import ConfigError, SerializationRefused, StoreError, StoreUnavailable
@@ -228,7 +229,7 @@ def test_crawlrediss_speaks_tls(tmp_path: Path) -> None:
         tid = str(uuid.uuid4())
         b.store_result(tid, "secret", states.SUCCESS, request=req(None))
         assert app.AsyncResult(tid).get(timeout=10) == "secret"
-        conn = b.client.connection_pool.get_connection()
+        conn = pool_connection(b.client.connection_pool)
         try:
             assert type(conn).__name__ == "SSLConnection"
         finally:

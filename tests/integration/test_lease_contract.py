@@ -40,6 +40,7 @@ from celery_crawl.errors import (
 )
 from celery_crawl.leases import Lease, LeaseStore, StoreDiagnostics, memory, open_store
 from tests.clusters import RedisCluster3, running_redis_cluster
+from tests.sentinels import SentinelSet, redis_sentinels
 from tests.servers import EtcdServer, RedisServer, free_port, wait_until
 
 
@@ -81,6 +82,17 @@ class ClusterTarget:
         self.owner.stop()
 
 
+class SentinelTarget:
+    """A master behind three sentinels, seen as the one server: the URL names the sentinels."""
+
+    def __init__(self, sentinels: SentinelSet) -> None:
+        self.sentinels = sentinels
+
+    @property
+    def url(self) -> str:
+        return self.sentinels.url()
+
+
 class MemoryTarget:
     """A ``memory://`` name of its own, seen as a server: it restarts (empty, as a Redis without
     persistence), but it has no process to freeze or stop."""
@@ -101,6 +113,8 @@ class MemoryTarget:
 #: Why a test cannot run on memory://.
 NO_PROCESS = "memory:// lives in this process: no other process shares it, none to freeze or stop"
 
+__all__ = ["redis_sentinels"]  # a session fixture of tests.sentinels used below
+
 ROOT = Path(__file__).resolve().parents[2]
 #: etcd's floor; Redis takes the same so one body fits both.
 TTL_S = 3.0  # about 3 s: etcd rounds up to whole seconds and has a floor of 2 s
@@ -113,7 +127,7 @@ class Backend:
     """A real server behind a store, with the fault injections a test may apply."""
 
     kind: str
-    server: RedisServer | EtcdServer | ClusterTarget | MemoryTarget
+    server: RedisServer | EtcdServer | ClusterTarget | MemoryTarget | SentinelTarget
     opened: list[LeaseStore] = dataclasses.field(default_factory=list)
 
     @property
@@ -156,6 +170,8 @@ class Backend:
             self.server.owner.client().hset(physical, "v", b"\x80not json")
         elif isinstance(self.server, RedisServer):
             self.server.client().hset(physical, "v", b"\x80not json")
+        elif isinstance(self.server, SentinelTarget):
+            self.server.sentinels.master().client().hset(physical, "v", b"\x80not json")
         elif isinstance(self.server, MemoryTarget):  # a raw write, as a foreign client makes
             space = memory._spaces[self.server.name]
             with space.cond:
@@ -172,12 +188,14 @@ class Backend:
             store.close()
 
 
-@pytest.fixture(params=["redis", "etcd", "redis-cluster", "memory"])
+@pytest.fixture(params=["redis", "etcd", "redis-cluster", "memory", "redis-sentinel"])
 def store_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """The session's server of one kind; tests isolate themselves by namespace."""
-    server: RedisServer | EtcdServer | ClusterTarget | MemoryTarget
+    server: RedisServer | EtcdServer | ClusterTarget | MemoryTarget | SentinelTarget
     if request.param == "redis-cluster":
         server = ClusterTarget(request.getfixturevalue("redis_cluster"))
+    elif request.param == "redis-sentinel":
+        server = SentinelTarget(request.getfixturevalue("redis_sentinels"))
     elif request.param == "memory":
         server = MemoryTarget()
     else:

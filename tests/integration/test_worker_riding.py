@@ -73,6 +73,8 @@ def rig(redis_server: RedisServer) -> Iterator[Rig]:
     app = Celery("ridetest", broker=url, set_as_current=False)
     app.conf.update(crawl_lease_url=url, crawl_namespace=f"ride{uuid.uuid4().hex[:8]}",
                     crawl_worker_lease_ttl=TTL_S, crawl_store_timeout=1.0,
+                    # As install_worker sets it: riding needs kombu's writes bounded too.
+                    broker_transport_options={"socket_timeout": 1.0},
                     task_serializer="json", accept_content=["json"])
     hub = QueuedHub()
     worker = SimpleNamespace(app=app, pool_cls="prefork", hostname="ride@localhost", hub=hub,
@@ -284,6 +286,33 @@ def test_a_ridden_append_writes_kombus_own_unacked_entry(rig: Rig) -> None:
     message.channel.qos.restore_by_tag(tag, leftmost=True)
     assert int(probe.llen(rig.queue)) == 1
     assert _unacked(rig) == 0
+
+
+def test_a_ridden_append_stores_byte_for_byte_what_kombus_real_append_stores(rig: Rig) -> None:
+    """The installed kombu's own ``QoS.append`` (the class's, not the ridden one on this
+    channel), called for the same message and tag, stores the same bytes."""
+    from kombu.transport.redis import QoS
+
+    assert rig.step.status()["route"] == "riding"
+    rig.to_strategy = False  # nothing sets the claim token on the headers meanwhile
+    task_id = f"t-{uuid.uuid4().hex[:8]}"
+    rig.publish(task_id)
+    rig.receive(1)
+    message = rig.messages[task_id]
+    tag = message.delivery_tag
+    store = rig.step.store
+    assert store is not None
+    # The claim was made by the append's script (no strategy ran).
+    assert store.claimant(keys.task_claim(task_id)) is not None
+    probe = rig.redis.client(5)
+    ridden = probe.hget("unacked", tag)
+    assert ridden is not None and probe.zscore("unacked_index", tag) is not None
+    probe.hdel("unacked", tag)
+    probe.zrem("unacked_index", tag)
+    QoS.append(message.channel.qos, message, tag)
+    assert probe.hget("unacked", tag) == ridden
+    assert probe.zscore("unacked_index", tag) is not None
+    message.channel.qos.restore_by_tag(tag, leftmost=True)
 
 
 def test_a_script_the_server_lost_before_the_append_falls_back_to_kombus_call(

@@ -7,6 +7,7 @@ Configured from the environment:
 * ``CRAWL_B_TTL`` — ``crawl_beat_lease_ttl``; ``CRAWL_B_SINK`` — Redis URL the task records to;
 * ``CRAWL_B_ENTRIES`` — how many every-second entries (``e0``, ``e1`` ...), default 2;
 * ``CRAWL_B_CRON`` — their cron expression (default every second, 6 fields);
+* ``CRAWL_B_TZ`` — its zone (default UTC);
 * ``CRAWL_B_INTERVAL`` — use a Celery interval of this many seconds instead (so stock beat and
   RedBeat, which cannot store a TzCron, run the same burst);
 * ``CRAWL_B_METRICS`` — ``crawl_metrics_port``;
@@ -34,7 +35,7 @@ _env = os.environ.get
 
 app = Celery("beattest", broker=_env("CRAWL_B_BROKER"))
 _schedule: Any = (float(_env("CRAWL_B_INTERVAL", "0")) if _env("CRAWL_B_INTERVAL")
-                  else TzCron(_env("CRAWL_B_CRON", "* * * * * *"), "UTC"))
+                  else TzCron(_env("CRAWL_B_CRON", "* * * * * *"), _env("CRAWL_B_TZ", "UTC")))
 app.conf.update(
     broker_transport_options={"socket_timeout": 5, "socket_connect_timeout": 5},
     broker_connection_retry_on_startup=True,

@@ -208,6 +208,30 @@ def test_kill9_of_the_leader(redis_cluster: tuple[Cluster, RedisServer]) -> None
     cluster.spawn_beat()
 
 
+def test_two_stock_beats_both_dispatch(redis_cluster: tuple[Cluster, RedisServer]) -> None:
+    """The reference for the failover above, on the same Celery: two stock ``celery beat``
+    replicas of the same schedule each publish every run, twice the rate of one dispatcher."""
+    cluster, _ = redis_cluster
+    db = 5  # a broker database of its own: no worker consumes these
+    env = {"CRAWL_B_BROKER": cluster.broker.url_db(db), "CRAWL_B_INTERVAL": "1"}
+    procs = [Proc(celery_args("tests.system.beatapp", "beat", "-l", "INFO",
+                              "-s", str(cluster.logs / f"stock-{i}")),
+                  env={**cluster.env, **env}, log_path=cluster.logs / f"stock-beat-{i}.log")
+             for i in range(2)]
+    client = cluster.broker.client(db)
+    try:
+        wait_until(lambda: all("Scheduler: Sending" in p.log() for p in procs), 60,
+                   what="both stock beats publishing")
+        start_n, t0 = client.llen("celery"), time.monotonic()
+        wait_until(lambda: client.llen("celery") >= start_n + 16, 30, what="16 more messages")
+        rate = (client.llen("celery") - start_n) / (time.monotonic() - t0)
+    finally:
+        for p in procs:
+            p.stop(grace_s=3)
+    # Two entries every second: one dispatcher publishes 2 a second, two stock replicas 4.
+    assert rate > 3.0, f"{rate:.1f} messages/s"
+
+
 def test_sigstop_beyond_ttl_then_sigcont(redis_cluster: tuple[Cluster, RedisServer]) -> None:
     cluster, _ = redis_cluster
     leader, token = cluster.leader_proc()

@@ -43,6 +43,8 @@ class Fleet:
             "CRAWL_B_SINK": redis_srv.url_db(2),
             # Installs the worker plugin (lease, claims) in the app the worker runs.
             "CRAWL_B_VERIFY": "2",
+            # Slot times are shown in the entries' zone beside UTC.
+            "CRAWL_B_TZ": "Asia/Shanghai",
         }
         self.store = open_store(redis_srv.url_db(0), namespace=self.ns, timeout_s=2.0)
         self.ports = {"beat": free_port(), "worker": free_port()}
@@ -134,11 +136,16 @@ def test_json_and_cli_show_the_same_fleet(fleet: Fleet) -> None:
         assert _comparable(page) == _comparable(cli), who
         assert page["skipped"]["paused"] >= 1
         assert SECRET not in json.dumps(page)
-    beat = httpx.get(fleet.url("beat", "/status.json"), timeout=10).json()["process"]
+    beat_view = httpx.get(fleet.url("beat", "/status.json"), timeout=10).json()
+    beat = beat_view["process"]
     assert beat["kind"] == "beat" and beat["role"] == "leader"
+    # Lease time left has one name everywhere (the metric adds Prometheus' unit suffix).
+    assert beat_view["leader"]["lease_time_left_s"] > 0 and beat["lease_time_left_s"] > 0
+    assert beat["schedule"] == beat_view["schedule"]["fingerprint"] and beat["entries"] == 2
     assert (beat["id"], beat["token"]) == _cli_leader(cli_text)
     worker = httpx.get(fleet.url("worker", "/status.json"), timeout=10).json()["process"]
     assert worker["kind"] == "worker" and worker["holder"] and worker["token"]
+    assert worker["lease_time_left_s"] > 0 and "time_left_s" not in worker
     assert worker["claims"] >= 0 and worker["reaper_recovered"] == 0
 
 
@@ -161,6 +168,17 @@ def test_the_page_renders_in_chromium_and_escapes_every_value(fleet: Fleet, who:
     entries = {row[1][1]: row for row in cells(page.dom, table_id="entries")}
     assert set(entries) == {"e0", "e1"}
     assert dict(entries["e1"])["paused"] == "PAUSED"
+    local = dict(entries["e0"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d CST", local["next_fire_local"]), local
+    assert local["last_run_local"].endswith(" CST")
+    assert "does not take the lead" in page.dom and "blocked: why it may not lead" in page.dom
+    ours = [dict(row) for row in replicas if dict(row).get("id") != HOSTILE]
+    assert ours and all(r["entries"] == "2" and r["blocked"] == "no" for r in ours), ours
+    assert "The fleet runs schedule" in page.dom
+    # A worker's page is read for the worker: its own figures come first, above the fleet.
+    first = "process" if who == "worker" else "leader"
+    later = "leader" if who == "worker" else "process"
+    assert page.dom.index(f'id="{first}"') < page.dom.index(f'id="{later}"')
     assert "paused" in dict(entries["e1"])["skipped"]
     skipped = {row[0][1]: int(row[1][1]) for row in cells(page.dom, table_id="skipped")}
     assert skipped["paused"] >= 1

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from celery_crawl.schedules import load_schedule_files
-from celery_crawl.up import CRAWLER_APP, Fleet, _Output
+from celery_crawl.up import CRAWLER_APP, Fleet, _Output, celery_command
 from tests.procs import ROOT
 from tests.servers import wait_until
 from tests.unit.test_compose import command_lines_holding
@@ -272,11 +272,31 @@ def test_up_summary_counts_refused_pages(tmp_path: Path) -> None:
                        "in CRAWL_ALLOWED_HOSTS (not retryable)")
     out.line("worker", "give up http://127.0.0.1:8470/binary: content-type: image/png "
                        "(not retryable)")
+    fleet._metrics_seen = {"worker": "\n".join((
+        "# TYPE crawl_worker_duplicates_total counter",
+        'crawl_worker_duplicates_total{outcome="waiting"} 2.0',
+        'crawl_worker_duplicates_total{outcome="parked"} 1.0',
+        'crawl_worker_duplicates_total{outcome="run"} 1.0',
+        'crawl_worker_duplicates_total{outcome="dropped"} 0.0'))}
     fleet._summary(1.0)
     text = stream.getvalue()
-    assert "up |   pages: ok: 1, refused (host not allowed): 2\n" in text, text
+    # A retry waiting for its own run is not counted as a duplicate delivery.
+    assert ("duplicate deliveries (a task id whose run holds a live claim): parked 1, dropped "
+            "0, run after the claim ended 1; retries/replacements that waited for their own "
+            "run (not duplicates): 2\n") in text, text
+    assert "up |   distinct-URL pages: ok: 1, refused (host not allowed): 2  (one row per URL" \
+        in text, text
     assert ("retry decisions logged by the crawler: refused (host not allowed): 1, "
             "given up: 1\n") in text, text
+
+
+def test_the_printed_status_command_runs_without_the_venv_active() -> None:
+    """The ``status`` line's celery is this environment's, by absolute path."""
+    command = celery_command()
+    assert os.path.isabs(command.split()[0])
+    out = subprocess.run([*command.split(), "--version"], capture_output=True, text=True,
+                         timeout=60, env={"PATH": "/usr/bin:/bin"}, check=False)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
 
 
 def test_up_loads_the_shipped_schedule_files(plain_run: Run) -> None:

@@ -150,3 +150,28 @@ def test_kill9_mid_task_runs_elsewhere_exactly_once(
         print(f"{pool}/{broker}/{store}: preemption latency {latency_s:.2f}s "
               f"(real {recovery_s:.2f}s), {renewed:.0f} renewals, {recovered:.0f} recovered")
         assert recovery_s - REAPER_S - 0.5 <= latency_s <= recovery_s + TTL_S / 3 + REAPER_S + 0.5
+
+
+def test_stock_celery_leaves_a_killed_workers_task_unrun(redis_srv: RedisServer,
+                                                         tmp_path: Path) -> None:
+    """The reference for the test above, on the same Celery: two stock workers (``acks_late``,
+    Redis broker); the one running the task is killed -9, and the other does not run it within
+    the bound the plugins meet (kombu's visibility timeout, an hour by default, holds it)."""
+    combo = Combo(broker=redis_srv.url_db(1), backend=redis_srv.url_db(2),
+                  lease=redis_srv.url_db(0), sink=redis_srv.url_db(3), pool="prefork",
+                  extra_env={"CRAWL_T_STOCK": "1"})
+    key = combo.ns
+    with workers(combo, tmp_path) as ws:
+        ws.start("a", wait=False)
+        ws.start("b", wait=False)
+        ws.wait_ready("a")
+        ws.wait_ready("b")
+        send(combo, key, 3.0)
+        first = wait_until(lambda: runs(combo, key), 30, what="first run started")[0]
+        victim = "a" if first["host"] == ws.hostname("a") else "b"
+        ws.procs[victim].kill9()
+        deadline = time.monotonic() + BOUND_S + 5
+        while time.monotonic() < deadline:
+            assert len(runs(combo, key)) == 1, "stock Celery ran the killed worker's task again"
+            time.sleep(0.5)  # polling for the absence of an event over a fixed window
+        assert not runs(combo, key, "finished")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import uuid
@@ -12,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from celery_crawl import keys
+from celery_crawl.leases import open_store
 from tests.chromium import cells, render, screenshot
 from tests.procs import CELERY, Proc, celery_args
 from tests.servers import RedisServer, free_port, wait_until
@@ -58,6 +61,54 @@ def test_task_sees_its_claim_token_and_a_forged_header_does_not_survive(
     assert done["header"] == done["token"]
 
 
+FORGED = 2**53 - 1
+
+
+def _publish_raw(combo: Combo, body: bytes, headers: dict[str, object]) -> None:
+    client = combo.app()
+    try:
+        with client.producer_or_acquire() as producer:
+            producer.publish(body, exchange="", routing_key=combo.queue, headers=headers,
+                             content_type="application/json", content_encoding="utf-8")
+    finally:
+        client.close()
+
+
+def test_a_claim_token_forged_into_the_body_does_not_reach_the_task(
+    running: tuple[Combo, Workers],
+) -> None:
+    """Celery merges the protocol-2 embed over the headers in the pool: a token there (also
+    spelt with a JSON escape, which no byte search would find) must not survive; nor one in a
+    protocol-1 body (which runs without a claim)."""
+    combo, _ws = running
+    store = open_store(combo.lease, namespace=combo.ns)
+    try:
+        for n, key_text in enumerate(('"crawl_claim_token"', '"\\u0063rawl_claim_token"')):
+            key, task_id = f"{combo.ns}-embed{n}", str(uuid.uuid4())
+            headers = {"lang": "py", "task": "crawltest.work", "id": task_id,
+                       "root_id": task_id, "retries": 0, "crawl_claim_token": FORGED}
+            embed = ('{"callbacks": null, "errbacks": null, "chain": null, "chord": null, '
+                     + key_text + ": " + str(FORGED) + "}")
+            body = f'[["{key}", 0.0], {{}}, {embed}]'.encode()
+            assert json.loads(body)[2]["crawl_claim_token"] == FORGED
+            _publish_raw(combo, body, headers)
+            done = wait_until(lambda k=key: runs(combo, k, "finished"), 30,
+                              what="the task finished")[0]
+            tombstone = wait_until(lambda t=task_id: store.get(keys.done(t)), 10,
+                                   what="its end recorded")
+            assert done["token"] != FORGED and done["header"] != FORGED, done
+            assert done["token"] == done["header"] == tombstone["token"], (done, tombstone)
+        key = f"{combo.ns}-proto1"
+        body = json.dumps({"task": "crawltest.work", "id": str(uuid.uuid4()),
+                           "args": [key, 0.0], "kwargs": {},
+                           "crawl_claim_token": FORGED}).encode()
+        _publish_raw(combo, body, {})
+        done = wait_until(lambda: runs(combo, key, "finished"), 30, what="the task finished")[0]
+        assert done["token"] is None and done["header"] is None, done
+    finally:
+        store.close()
+
+
 def test_duplicate_delivery_is_parked_then_dropped(running: tuple[Combo, Workers]) -> None:
     combo, ws = running
     key = f"{combo.ns}-dup"
@@ -89,7 +140,7 @@ def test_inspect_stats_crawl_leases_and_flower(
         # Flat rows (Flower renders a nested dict as one blob), every value a scalar.
         assert "crawl_lease" not in info
         assert info["crawl_lease_holder"] and info["crawl_lease_token"]
-        assert info["crawl_lease_left_s"] > 0
+        assert info["crawl_lease_time_left_s"] > 0
         assert info["crawl_renew_success_rate"] in (None, 1.0)
         assert info["crawl_claims"] == 0 and info["crawl_consuming"] is True
         assert all(v is None or isinstance(v, bool | int | float | str)
@@ -113,15 +164,15 @@ def test_inspect_stats_crawl_leases_and_flower(
 
         body = wait_until(workers_api, 60, interval_s=0.5, what="flower /api/workers")
         lease = body[ws.hostname("a")]["stats"]
-        assert {"crawl_lease_holder", "crawl_lease_token", "crawl_lease_left_s", "crawl_claims",
-                "crawl_renew_success_rate"} <= set(lease)
+        assert {"crawl_lease_holder", "crawl_lease_token", "crawl_lease_time_left_s",
+                "crawl_claims", "crawl_renew_success_rate"} <= set(lease)
         # Flower's worker page, as a browser renders it: one row per figure in "Other".
         page = f"http://127.0.0.1:{port}/worker/{ws.hostname('a')}"
         rows = {row[0][1]: row[1][1] for row in
                 cells(render(page).dom, caption="Other statistics") if len(row) == 2}
         assert rows["crawl_lease_holder"] == lease["crawl_lease_holder"], rows
         assert rows["crawl_lease_token"] == str(lease["crawl_lease_token"]), rows
-        assert float(rows["crawl_lease_left_s"]) > 0, rows
+        assert float(rows["crawl_lease_time_left_s"]) > 0, rows
         assert rows["crawl_claims"] == "0" and rows["crawl_consuming"] == "True", rows
         assert not any(k == "crawl_lease" or v.startswith("{") for k, v in rows.items()), rows
         screenshot(page + "#tab-other", "flower-worker.png", size="1280,1100")

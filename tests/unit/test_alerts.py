@@ -92,6 +92,16 @@ def _tests() -> list[dict[str, Any]]:
         _alert("CrawlNoBeatLeader", "60s", [NO_LEADER], "10s", [
             _series("up", "1 1 1 1 1 1 1 1", job="celery-crawl-worker"),
         ]),
+        # b2's schedule differs for 10 minutes: firing; b3's for 4 minutes only: not.
+        _alert("CrawlBeatScheduleMismatch", "10m", [(
+            {"instance": "b2", "job": "beat", "severity": "warning"},
+            "b2: this beat replica's schedule has differed from the one the fleet runs for "
+            "more than 5 minutes")], "1m", [
+            _series("crawl_beat_schedule_mismatch", "0x10", job="beat", instance="b1"),
+            _series("crawl_beat_schedule_mismatch", "1x10", job="beat", instance="b2"),
+            _series("crawl_beat_schedule_mismatch", "0 0 0 0 0 0 1 1 1 1 1", job="beat",
+                    instance="b3"),
+        ]),
         # w1: 0.2 failures/s and a proxy at 50%; w2: as many failures, healthy proxies;
         # w3: an unhealthy proxy but only 0.05 failures/s.
         _alert("CrawlSiteFailingWithUnhealthyProxies", "15m", [(
@@ -115,7 +125,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
 
 def test_rules_pass_promtool_check() -> None:
     out = _run(["check", "rules", str(RULES)])
-    assert out.returncode == 0 and "SUCCESS: 4 rules found" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "SUCCESS: 5 rules found" in out.stdout, out.stdout + out.stderr
 
 
 def test_each_alert_fires_exactly_when_it_should(tmp_path: Path) -> None:
@@ -133,6 +143,7 @@ def test_each_alert_fires_exactly_when_it_should(tmp_path: Path) -> None:
 @pytest.mark.parametrize("broken", [
     # Each threshold moved to the wrong side makes the synthetic cases disagree.
     ("< 0.99", "< 0.97"), ("> 0.05", "> 0.2"), ("for: 20s", "for: 2m"), ("< 0.6", "< 0.3"),
+    ("(crawl_beat_schedule_mismatch) >= 1", "(crawl_beat_schedule_mismatch) >= 2"),
 ])
 def test_the_rule_tests_catch_a_wrong_threshold(tmp_path: Path, broken: tuple[str, str]) -> None:
     text = RULES.read_text()

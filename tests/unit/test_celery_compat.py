@@ -48,6 +48,9 @@ def _instance(spec: str) -> Any:
             return None
 
         return Request(TaskMessage("celery_crawl_compat_test.noop"), app=app)
+    if spec == "celery.backends.redis:RedisBackend":
+        app = Celery("compat", set_as_current=False)
+        return RedisBackend(app=app, url="redis://127.0.0.1:1/0")
     if spec == "redis.connection:Connection":
         from redis.connection import Connection
 
@@ -66,8 +69,13 @@ def _instance(spec: str) -> Any:
 def test_private_name_exists(spec: str, name: str) -> None:
     cls = _class(spec)
     obj = _instance(spec)
-    assert hasattr(cls, name) or (obj is not None and hasattr(obj, name)), (
-        f"{spec} has no {name} any more: update celery_crawl/_celery_compat.py")
+    present = hasattr(cls, name) or (obj is not None and hasattr(obj, name))
+    since = compat.SINCE.get(f"{spec}.{name}")
+    if since is not None and not compat.at_least(*since):
+        # Before the release that added it, the function using it takes its fallback.
+        assert not present, f"{spec}.{name} exists before {since}: update SINCE"
+        return
+    assert present, f"{spec} has no {name} any more: update celery_crawl/_celery_compat.py"
 
 
 def test_request_message_is_the_message_it_was_built_from() -> None:
@@ -89,9 +97,33 @@ def test_every_private_override_of_the_backend_is_declared() -> None:
 
 
 def test_the_checked_versions_are_named() -> None:
-    doc = (compat.__doc__ or "").lower()
-    for package, version in compat.CHECKED_AGAINST.items():
-        assert f"{package} {version}" in doc
+    doc = " ".join((compat.__doc__ or "").lower().split())
+    for package, versions in compat.CHECKED_AGAINST.items():
+        name = "redis-py" if package == "redis" else package
+        assert f"{name} {versions[0]}" in doc
+        for version in versions[1:]:
+            assert version in doc
+
+
+def test_the_installed_releases_are_in_the_tested_range() -> None:
+    # CI runs this on every supported minor; a release outside the range fails here first.
+    assert compat.untested_versions() == []
+    assert compat.fast_paths_ok()
+
+
+def test_an_untested_release_is_named_once_and_turns_the_fast_paths_off(
+        caplog: pytest.LogCaptureFixture) -> None:
+    versions = {"celery": "5.8.1", "kombu": "5.7.0", "redis": "8.2.0"}
+    assert compat.untested_versions(versions) == ["celery 5.8.1 (tested: 5.4-5.7)"]
+    assert not compat.fast_paths_ok(versions)
+    with caplog.at_level("WARNING", logger="celery_crawl.compat"):
+        assert not compat.warn_untested("test-component", versions)
+        assert not compat.warn_untested("test-component", versions)
+    warnings = [r for r in caplog.records if "celery 5.8.1" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "fast paths" in warnings[0].getMessage()
+    assert compat.untested_versions({"celery": "", "kombu": "5.4.2", "redis": "5.2.1"}) == [
+        "celery (unknown) (tested: 5.4-5.7)"]
 
 
 def _enclosing_functions(tree: ast.AST) -> dict[int, str]:

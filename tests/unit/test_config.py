@@ -58,6 +58,10 @@ BAD: list[tuple[str, Any]] = [
     ("crawl_store_timeout", "-2s"),
     ("crawl_beat_verify_delivery", "-1s"),
     ("crawl_beat_verify_delivery", 0.5),
+    ("crawl_schedule_sources", ["files", "django"]),
+    ("crawl_schedule_sources", ["files", "files"]),
+    ("crawl_schedule_sources", 3),
+    ("crawl_beat_schedule_mismatch", "ignore"),
 ]
 
 

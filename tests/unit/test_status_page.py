@@ -10,6 +10,7 @@ import re
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from celery_crawl import metrics
 from celery_crawl.status import render_html, scrub, text_lines
@@ -22,7 +23,7 @@ SECRET_URL = "redis://crawl:s3cr3t-pw@10.0.0.5:6379/0"
 def _view() -> dict:
     return {
         "generated": "2026-03-01T00:00:00Z", "namespace": "ns", "store": SECRET_URL,
-        "leader": {"holder": HOSTILE, "token": 7, "lease_left_s": 2.5},
+        "leader": {"holder": HOSTILE, "token": 7, "lease_time_left_s": 2.5},
         "replicas": [{"id": HOSTILE, "host": "h", "role": "leader", "token": 7,
                       "clock_offset_s": 0.012, "last_seen": "2026-03-01T00:00:00Z",
                       "blocked": f"store {SECRET_URL} refused", "entries": 2}],
@@ -136,3 +137,28 @@ def test_the_first_view_imports_nothing_on_a_server_thread(tmp_path) -> None:
         out = subprocess.run([sys.executable, "-c", _FIRST_VIEW, server.url_db(0)],
                              capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "200 []", out
+
+
+def test_an_empty_skipped_table_says_none_and_a_differing_schedule_is_marked() -> None:
+    view = _view()
+    view["skipped"] = {}
+    view["schedule"] = {"fingerprint": "f00d", "entries": 1, "since": "2026-03-01T00:00:00Z"}
+    view["replicas"][0].update(schedule="beef", schedule_differs=True)
+    page = render_html(view)
+    assert '<td data-field="reason">none</td>' in page
+    assert "beef DIFFERS" in page and "The fleet runs schedule <code>f00d</code>" in page
+    lines = text_lines(scrub(view))
+    assert "schedule: f00d (1 entries), the one the fleet runs since 2026-03-01T00:00:00Z" \
+        in lines
+    assert any("SCHEDULE DIFFERS FROM THE LEADER'S" in line for line in lines)
+
+
+def test_known_label_sets_start_at_zero() -> None:
+    metrics.start_at_zero("worker")
+    metrics.start_at_zero("beat")
+    sample = REGISTRY.get_sample_value
+    assert sample("crawl_worker_duplicates_total", {"outcome": "waiting"}) is not None
+    assert sample("crawl_beat_skipped_slots_total", {"reason": "paused"}) is not None
+    assert sample("crawl_lease_renewals_total", {"role": "beat", "result": "lost"}) is not None
+    assert sample("crawl_lease_renewal_failures_total",
+                {"role": "worker", "cause": "timeout"}) is not None

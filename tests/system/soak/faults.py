@@ -26,7 +26,7 @@ from celery_crawl.leases import LeaseStore
 from .ledger import Fault
 from .stack import Member, Stack, now
 
-__all__ = ["FAULT_KINDS", "FaultInjector", "LeaderMonitor"]
+__all__ = ["FAULT_KINDS", "SENTINEL_FAULT_KINDS", "FaultInjector", "LeaderMonitor"]
 
 FAULT_KINDS = (
     "beat_kill9", "beat_stop", "beat_term", "beat_skew", "beat_clock_step", "leader_partition",
@@ -36,6 +36,12 @@ FAULT_KINDS = (
 #: The soak's ``crawl_store_timeout`` (recorder.py): a slow store's delay goes up to twice it.
 STORE_TIMEOUT_S = 1.0
 ETCD_FAULT_KINDS = ("etcd_leader_kill", "etcd_follower_kill")
+#: Failovers of a Sentinel-managed master: kill -9, ``SENTINEL FAILOVER``, and a SIGSTOP past
+#: ``down-after-milliseconds`` with SIGCONT after the failover (the old master comes back and is
+#: demoted).
+SENTINEL_FAULT_KINDS = ("sentinel_master_kill", "sentinel_failover", "sentinel_master_stop")
+#: The process faults of the Sentinel run (no proxies there: a process follows the master).
+SENTINEL_PROCESS_KINDS = ("beat_kill9", "beat_stop", "beat_term", "worker_kill9", "worker_stop")
 
 
 @dataclass
@@ -107,7 +113,7 @@ class FaultInjector:
 
     def __init__(self, stack: Stack, monitor: LeaderMonitor, seed: int,
                  log: Callable[[str], None] = print,
-                 kinds: Sequence[str] | None = None) -> None:
+                 kinds: Sequence[str] | None = None, rounds: int | None = None) -> None:
         self.stack = stack
         self.monitor = monitor
         self.seed = seed
@@ -115,16 +121,24 @@ class FaultInjector:
         self.log = log
         self.faults: list[Fault] = []
         available = FAULT_KINDS + (ETCD_FAULT_KINDS if stack.etcd is not None else ())
+        if stack.sentinels is not None:
+            available = SENTINEL_PROCESS_KINDS + SENTINEL_FAULT_KINDS
         unknown = sorted(set(kinds or ()) - set(available))
         if unknown:
             raise ValueError(f"unknown fault kinds for store {stack.store_kind}: {unknown}; "
                              f"known: {', '.join(available)}")
         self.kinds = tuple(kinds) if kinds else available
         self._round: list[str] = []
+        #: Rounds of every kind to inject at most (None: until the deadline).
+        self.rounds = rounds
+        self._rounds_begun = 0
         self.ttl_s = stack.ttl_s
 
-    def next_kind(self) -> str:
+    def next_kind(self) -> str | None:
         if not self._round:
+            if self.rounds is not None and self._rounds_begun >= self.rounds:
+                return None
+            self._rounds_begun += 1
             self._round = list(self.kinds)
             self.rng.shuffle(self._round)
         return self._round.pop(0)
@@ -133,6 +147,8 @@ class FaultInjector:
         self.log(f"fault injector: seed={self.seed} kinds={','.join(self.kinds)}")
         while now() < deadline - self.ttl_s:
             kind = self.next_kind()
+            if kind is None:
+                break
             fault = getattr(self, kind)()
             fault.t_heal = fault.t_heal or now()
             self.faults.append(fault)
@@ -338,3 +354,48 @@ class FaultInjector:
         self._held(length, lambda: [m.slow_store(delay) for m in members],
                    lambda: [m.heal_store() for m in members])
         return f
+
+    # -- Sentinel failovers ---------------------------------------------------------------------
+    def _failover(self, kind: str, begin: Callable[[], object],
+                  after: Callable[[], None] | None = None) -> Fault:
+        """``begin`` a failover of the current master; the fault heals when every sentinel
+        names a new master (``t_heal``: the fleet is measured from there); ``after`` runs
+        then (the old master's return); two TTLs later, the next fault may come once a replica
+        is linked."""
+        sentinels = self.stack.sentinels
+        assert sentinels is not None
+        old = sentinels.wait_settled(timeout_s=60, replicas=1)
+        _, token = self.monitor.leader()
+        f = Fault(kind, f"master:{old}", now(), leader_token=token)
+        begin()
+        new = sentinels.wait_new_master(old, timeout_s=60)
+        f.t_heal = now()
+        f.note = f"new master {new} after {f.t_heal - f.t:.1f}s"
+        if after is not None:
+            after()
+        # Two TTLs for the fleet to go on before anything else happens, so what the ledger
+        # measures after this failover is this failover's.
+        self._sleep(2 * self.ttl_s)
+        sentinels.wait_settled(timeout_s=60, replicas=1)
+        return f
+
+    def sentinel_master_kill(self) -> Fault:
+        sentinels = self.stack.sentinels
+        assert sentinels is not None
+        killed: list[object] = []
+        return self._failover(
+            "sentinel_master_kill", lambda: killed.append(sentinels.kill_master()),
+            lambda: sentinels.restart_node(killed[0]))  # type: ignore[arg-type]
+
+    def sentinel_failover(self) -> Fault:
+        sentinels = self.stack.sentinels
+        assert sentinels is not None
+        return self._failover("sentinel_failover", sentinels.planned_failover)
+
+    def sentinel_master_stop(self) -> Fault:
+        sentinels = self.stack.sentinels
+        assert sentinels is not None
+        node = sentinels.master()
+        return self._failover("sentinel_master_stop", lambda: sentinels.pause(node),
+                              lambda: sentinels.resume(node))
+

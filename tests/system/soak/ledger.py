@@ -14,6 +14,17 @@ and the process-exit count. Nothing here talks to a server, so the rules are eas
 * **contradiction**: run once *and* recorded as skipped (the run counts; the skip record is
   wrong: reported, not a failure of the run-once claim);
 * **unaccounted**: neither run nor skipped.
+* **lost to a failover**: a duplicate whose first run ended while a Sentinel failover could
+  lose acknowledged writes (``LOSSY_FAULTS``: from the fault until ``LOSS_TAIL_S`` after the
+  sentinels named the new master — the old master keeps accepting writes until it is demoted,
+  and Celery's broker and backend connections stay on it until then): its finish (the done
+  tombstone, the broker's ack) was acknowledged by the old master and never reached the new
+  one, so the run was delivered again; or an unaccounted slot whose run was in flight then
+  (started, never finished: the message given back for it, or its unacked record, was written
+  to the old master only), or which came due then and never started (its message was published
+  to the old master only: kombu's connection stays on it until Sentinel demotes it). These are
+  the losses docs/durability.md names; they are counted here, apart from the duplicates and the
+  unaccounted, and only a *concurrent* second run still fails a soak.
 
 Fenced completions (a stale run whose write the claim token refused) are reported, not errors.
 """
@@ -33,6 +44,13 @@ __all__ = ["Fault", "SkipSpan", "Summary", "account", "parse_slot"]
 BEAT_FAULTS = ("beat_kill9", "beat_stop", "beat_term", "beat_skew", "beat_clock_step",
                "leader_partition")
 WORKER_FAULTS = ("worker_kill9", "worker_stop", "worker_partition")
+#: Faults after which Redis's asynchronous replication may lose acknowledged writes.
+LOSSY_FAULTS = ("sentinel_master_kill", "sentinel_failover", "sentinel_master_stop")
+#: How long after the sentinels named the new master a write may still reach the old one:
+#: Sentinel demotes a master that comes back seconds later (10 s info period + 8 s role wait).
+LOSS_TAIL_S = 20.0
+#: A run started this long before such a fault may still have been in flight at it.
+IN_FLIGHT_S = 30.0
 
 
 def parse_slot(text: str | None) -> float | None:
@@ -85,6 +103,7 @@ class Summary:
     run_once: int = 0
     skipped: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     duplicates: list[str] = dataclasses.field(default_factory=list)
+    failover_losses: list[str] = dataclasses.field(default_factory=list)
     concurrent_duplicates: list[str] = dataclasses.field(default_factory=list)
     contradictions: list[str] = dataclasses.field(default_factory=list)
     unaccounted: list[str] = dataclasses.field(default_factory=list)
@@ -97,6 +116,9 @@ class Summary:
     audit_output: str = ""
     failover_gaps: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     recoveries: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    #: Per lossy fault: the longest stretch without a run starting, from the fault until the
+    #: first run that started after the sentinels named the new master.
+    interruptions: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     per_entry: dict[str, collections.Counter[str]] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -131,6 +153,9 @@ class Summary:
             f"  duplicates          {len(self.duplicates)}" + _few(self.duplicates),
             f"    of which concurrent {len(self.concurrent_duplicates)} (a second run started "
             "before the first finished)" + _few(self.concurrent_duplicates),
+            f"  lost to a failover  {len(self.failover_losses)} (a write only the old master "
+            "acknowledged: a run's finish, so it ran again; a redelivery or a publish, so it "
+            "never finished or never ran)" + _few(self.failover_losses),
             f"  run, yet recorded skipped {len(self.contradictions)}"
             + _few(self.contradictions),
             f"  unaccounted         {len(self.unaccounted)}" + _few(self.unaccounted),
@@ -144,6 +169,8 @@ class Summary:
             + {True: "clean", False: "DIVERGED", None: "not run"}[self.audit_ok],
             f"  worst failover gap  {worst(self.worst_failover_gap)}",
             f"  worst recovery time {worst(self.worst_recovery)}",
+            *(f"  interruption        {kind}: no run started for {s:.2f}s"
+              for kind, s in self.interruptions),
         ]
         for name, counts in sorted(self.per_entry.items()):
             lines.append(f"    {name:<22} " + " ".join(f"{k}={v}" for k, v in
@@ -219,9 +246,18 @@ def account(
             if len(runs) > 1:
                 text = (f"{label} x{len(runs)} by "
                         + ",".join(f"{r.get('worker')}/t{r.get('claim_token')}" for r in runs))
+                concurrent = _overlapping(runs, start_recs[(entry, slot)])
+                first_end = min(float(r["t"]) for r in runs)
+                if not concurrent and any(
+                        f.kind in LOSSY_FAULTS
+                        and f.t - 1.0 <= first_end <= (f.t_heal or f.t) + LOSS_TAIL_S
+                        for f in faults):
+                    summary.failover_losses.append(text)
+                    counts["lost-to-failover"] += 1
+                    continue
                 summary.duplicates.append(text)
                 counts["duplicate"] += 1
-                if _overlapping(runs, start_recs[(entry, slot)]):
+                if concurrent:
                     summary.concurrent_duplicates.append(text)
             elif runs and reason is not None:
                 summary.contradictions.append(f"{label} ran and skipped ({reason})")
@@ -236,6 +272,15 @@ def account(
             else:
                 task_id = _task_id(namespace, entry, slot) if namespace else None
                 why = _evidence(start_recs[(entry, slot)], stuck, task_id)
+                last = max((float(r["t"]) for r in start_recs[(entry, slot)]), default=None)
+                # In flight at the fault (started), or due in its window (never started).
+                since, at = (IN_FLIGHT_S, last) if last is not None else (1.0, slot)
+                if any(f.kind in LOSSY_FAULTS
+                       and f.t - since <= at <= (f.t_heal or f.t) + LOSS_TAIL_S
+                       for f in faults):
+                    summary.failover_losses.append(f"{label} ({why})")
+                    counts["lost-to-failover"] += 1
+                    continue
                 summary.unaccounted.append(f"{label} ({why})")
                 counts["unaccounted"] += 1
 
@@ -308,6 +353,11 @@ def _measure(summary: Summary, starts: Sequence[Mapping[str, Any]],
             nxt = next((r for r in by_time if float(r["t"]) > t0), None)
             if nxt is not None:
                 summary.recoveries.append((f.kind, float(nxt["t"]) - t0))
+                if f.kind in LOSSY_FAULTS:
+                    marks = [f.t, *(float(r["t"]) for r in by_time
+                                    if f.t < float(r["t"]) <= float(nxt["t"]))]
+                    summary.interruptions.append(
+                        (f.kind, max(b - a for a, b in itertools.pairwise(marks))))
 
 
 def _int(value: Any) -> int:

@@ -6,7 +6,7 @@ replicas and workers of one run share one configuration:
 ``SOAK_BROKER_URL``, ``SOAK_BACKEND_URL``, ``SOAK_LEASE_URL``, ``SOAK_NAMESPACE``,
 ``SOAK_SCHEDULES`` (glob of schedule files), ``SOAK_SINK_URL`` (the evidence Redis),
 ``SOAK_BEAT_TTL``, ``SOAK_WORKER_TTL``, ``SOAK_VERIFY_DELIVERY`` (``crawl_beat_verify_delivery``,
-4 s).
+4 s), ``SOAK_SENTINEL_MASTER`` (the master's name when the broker is ``sentinel://``).
 
 The task ``record`` stamps its external write with the claim token the worker step gives it, the
 way a real crawler should stamp its output: the sink accepts a write for ``(entry, slot)`` only
@@ -86,7 +86,9 @@ app.conf.update(
     # worker (popped, then the worker killed) is published again by the leader.
     crawl_beat_verify_delivery=float(_env("SOAK_VERIFY_DELIVERY", "4")),
     broker_connection_retry_on_startup=True,
-    broker_transport_options={"visibility_timeout": 3600},
+    broker_transport_options={"visibility_timeout": 3600, **(
+        {"master_name": os.environ["SOAK_SENTINEL_MASTER"]}
+        if os.environ.get("SOAK_SENTINEL_MASTER") else {})},
     result_backend_transport_options={"retry_policy": {"timeout": 5.0}},
     task_serializer="json",
     result_serializer="json",

@@ -130,7 +130,7 @@ def _unacked_task_ids(stack: Stack) -> list[str]:
     """Task ids left in kombu's ``unacked`` hash of the broker (stuck until the visibility
     timeout unless the reaper restores them)."""
     ids = []
-    for raw in stack.redis.client().hvals("unacked"):
+    for raw in stack.broker_client().hvals("unacked"):
         try:
             ids.append(json.loads(raw)[0]["headers"]["id"])
         except (ValueError, KeyError, IndexError, TypeError):
@@ -165,12 +165,15 @@ def _postmortem(stack: Stack, skips: SkipCollector, faults: list[Any],
 
 def run_soak(store: str, seconds: float, seed: int, workdir: Path,
              log: Callable[[str], None] = print,
-             kinds: Sequence[str] | None = None) -> tuple[Summary, list[str]]:
+             kinds: Sequence[str] | None = None, fault_rounds: int | None = None,
+             **stack_kw: Any) -> tuple[Summary, list[str]]:
     """One soak run on lease store ``store``; returns its summary and monitor violations.
 
-    ``kinds``: inject only these fault kinds (default: every kind the store has).
+    ``kinds``: inject only these fault kinds (default: every kind the store has);
+    ``fault_rounds``: at most this many rounds of them (default: until the window's end);
+    ``stack_kw``: ``Stack`` arguments (``beats``, ``workers``, ...).
     """
-    stack = Stack(store, workdir)
+    stack = Stack(store, workdir, **stack_kw)
     log(f"soak: store={store} seconds={seconds:.0f} seed={seed} "
         f"(replay: CRAWL_SOAK_SEED={seed} CRAWL_SOAK_SECONDS={seconds:.0f})")
     phases: list[tuple[str, float]] = []
@@ -186,7 +189,7 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
     mon_store = open_store(stack.lease_url, namespace=stack.namespace, timeout_s=1.0)
     monitor = LeaderMonitor(mon_store, stack)
     skips = SkipCollector(mon_store)
-    injector = FaultInjector(stack, monitor, seed, log=log, kinds=kinds)
+    injector = FaultInjector(stack, monitor, seed, log=log, kinds=kinds, rounds=fault_rounds)
     violations: list[str] = []
     try:
         monitor.start()
@@ -271,7 +274,8 @@ def run_soak(store: str, seconds: float, seed: int, workdir: Path,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", choices=["redis", "etcd", "both"], default="both")
+    parser.add_argument("--store", choices=["redis", "etcd", "sentinel", "both"],
+                        default="both")
     parser.add_argument("--seconds", type=float,
                         default=float(os.environ.get("CRAWL_SOAK_SECONDS", "1200")))
     parser.add_argument("--seed", type=int, default=None)

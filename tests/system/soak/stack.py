@@ -3,6 +3,10 @@
 * the *stack* Redis (AOF on, ``appendfsync always``): broker (db 0), audited result backend
   (db 0) and, in the Redis run, the lease store — everything a Redis fault hits;
 * for the etcd run, a 3-member etcd cluster holding the leases;
+* for the Sentinel run, instead of the stack Redis, one master, two replicas and three
+  sentinels (``tests.sentinels``): the broker is kombu's ``sentinel://``, the result backend
+  ``crawlredis+sentinel://`` and the lease store ``redis+sentinel://``, each finding the master
+  through the sentinels (no proxies: a process connects to whichever node is the master);
 * the *sink* Redis: where the recorder writes its evidence; no fault ever touches it;
 * three ``celery beat -S celery_crawl.beat:LeasedScheduler`` replicas and two prefork workers,
   each in its own session (``tests.procs.Proc``), restartable, one replica optionally under
@@ -33,6 +37,7 @@ from typing import Any
 
 from tests.clusters import EtcdCluster
 from tests.procs import CELERY, Proc, celery_args, faketime_lib, worker_args
+from tests.sentinels import MASTER, SentinelSet
 from tests.servers import RedisServer, wait_until
 from tests.tcpproxy import TcpProxy
 
@@ -175,8 +180,8 @@ class Stack:
 
     def __init__(self, store: str, workdir: Path, *, ttl_s: float = 3.0, beats: int = 3,
                  workers: int = 2, concurrency: int = 3) -> None:
-        if store not in ("redis", "etcd"):
-            raise ValueError(f"store must be 'redis' or 'etcd', not {store!r}")
+        if store not in ("redis", "etcd", "sentinel"):
+            raise ValueError(f"store must be 'redis', 'etcd' or 'sentinel', not {store!r}")
         self.store_kind = store
         self.workdir = workdir
         self.ttl_s = ttl_s
@@ -184,6 +189,7 @@ class Stack:
         self.redis = RedisServer(appendonly=True)
         self.sink = RedisServer()
         self.etcd: EtcdCluster | None = EtcdCluster() if store == "etcd" else None
+        self.sentinels: SentinelSet | None = SentinelSet() if store == "sentinel" else None
         self.beats: list[Member] = []
         self.workers: list[Member] = []
         self._n_beats = beats
@@ -199,7 +205,15 @@ class Stack:
         if self.etcd is not None:
             # Every member: the store's gRPC channel fails over between them.
             return f"etcd://{self.etcd.endpoints}"
+        if self.sentinels is not None:
+            return self.sentinels.url()
         return self.redis.url
+
+    def broker_client(self) -> Any:
+        """A client of the broker's Redis (the current master behind Sentinel)."""
+        if self.sentinels is not None:
+            return self.sentinels.master().client()
+        return self.redis.client()
 
     def _store_endpoints(self) -> list[tuple[str, int]]:
         if self.etcd is not None:
@@ -208,7 +222,10 @@ class Stack:
         return [("127.0.0.1", self.redis.port)]
 
     def _proxied(self, member_name: str) -> tuple[list[TcpProxy], str]:
-        """Proxies in front of every store endpoint for one process, and its lease URL."""
+        """Proxies in front of every store endpoint for one process, and its lease URL (none
+        behind Sentinel: the master moves, the process follows the sentinels)."""
+        if self.sentinels is not None:
+            return [], self.lease_url
         proxies = [TcpProxy(host, port) for host, port in self._store_endpoints()]
         self._proxies[member_name] = proxies
         if self.etcd is not None:
@@ -218,9 +235,16 @@ class Stack:
         return proxies, url
 
     def env(self) -> dict[str, str]:
+        if self.sentinels is not None:
+            hosts = self.sentinels.url().split("://", 1)[1]
+            urls = {"SOAK_BROKER_URL": self.sentinels.broker_url(),
+                    "SOAK_BACKEND_URL": f"crawlredis+sentinel://{hosts}",
+                    "SOAK_SENTINEL_MASTER": MASTER}
+        else:
+            urls = {"SOAK_BROKER_URL": self.redis.url,
+                    "SOAK_BACKEND_URL": f"crawlredis://127.0.0.1:{self.redis.port}/0"}
         return {
-            "SOAK_BROKER_URL": self.redis.url,
-            "SOAK_BACKEND_URL": f"crawlredis://127.0.0.1:{self.redis.port}/0",
+            **urls,
             "SOAK_LEASE_URL": self.lease_url,
             "SOAK_NAMESPACE": self.namespace,
             "SOAK_SCHEDULES": str(self.workdir / "schedules" / "*.toml"),
@@ -233,7 +257,10 @@ class Stack:
         (self.workdir / "schedules").mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         (self.workdir / "schedules" / "soak.toml").write_text(schedule_toml(ENTRIES))
-        self.redis.start()
+        if self.sentinels is not None:
+            self.sentinels.start()
+        else:
+            self.redis.start()
         self.sink.start()
         if self.etcd is not None:
             self.etcd.start()
@@ -250,9 +277,10 @@ class Stack:
                                "-l", "INFO", "-s", str(self.workdir / f"beat{i}-schedule"),
                                "--max-interval", "1")
             self.beats.append(member(f"beat{i}", "beat", args))
-        stepped = self.beats[-1]
-        stepped.clock_file = self.workdir / f"{stepped.name}.faketime"
-        stepped.step_clock("+0")
+        if self.sentinels is None:  # the Sentinel run is about the store, on real clocks
+            stepped = self.beats[-1]
+            stepped.clock_file = self.workdir / f"{stepped.name}.faketime"
+            stepped.step_clock("+0")
         for i in range(self._n_workers):
             args = worker_args(APP, concurrency=self._concurrency, hostname=f"w{i}@soak")
             self.workers.append(member(f"w{i}", "worker", args))
@@ -324,6 +352,8 @@ class Stack:
             for proxy in proxies:
                 proxy.close()
         self.redis.cleanup()
+        if self.sentinels is not None:
+            self.sentinels.cleanup()
         self.sink.cleanup()
         if self.etcd is not None:
             self.etcd.cleanup()
@@ -341,9 +371,11 @@ class Stack:
         wait_until(lambda: self.sink.client().ping(), timeout_s, what="sink redis")
 
     def describe(self) -> str:
+        where = (f"sentinels={self.sentinels.broker_url()} master={MASTER}"
+                 if self.sentinels is not None else f"stack redis={self.redis.url} (AOF always)")
         return textwrap.dedent(f"""\
             store={self.store_kind} lease_url={self.lease_url} namespace={self.namespace}
-            stack redis={self.redis.url} (AOF always) sink={self.sink.url}
+            {where} sink={self.sink.url}
             workdir={self.workdir}""")
 
 

@@ -39,6 +39,7 @@ CORES = [
     "celery_crawl.beat.clockstep", "celery_crawl.beat.index", "celery_crawl.beat.guards",
     "celery_crawl.beat.book", "celery_crawl.beat.dispatch", "celery_crawl.beat.commands",
     "celery_crawl.beat.reload", "celery_crawl.beat.verify", "celery_crawl.beat.term",
+    "celery_crawl.beat.fleet", "celery_crawl.schedules.root",
     "celery_crawl.schedules.policies",
 ]
 
