@@ -30,6 +30,7 @@ from .errors import (
     StoreError,
     StoreTimeout,
     StoreUnavailable,
+    TaskIdReused,
     UnsupportedSetup,
 )
 from .leases import Claim, Lease, LeaseStore, open_store
@@ -66,6 +67,7 @@ __all__ = [
     "StoreError",
     "StoreTimeout",
     "StoreUnavailable",
+    "TaskIdReused",
     "TzCron",
     "UnsupportedSetup",
     "__version__",
@@ -101,7 +103,9 @@ def install(app: Any) -> CrawlConfig:
 
     Validates the ``crawl_*`` settings, registers the worker's lease and claim bootsteps (they
     only act inside ``celery worker``), makes ``LeasedScheduler`` the default beat scheduler unless
-    the app chose one, and turns on deadline propagation for every task the app publishes.
+    the app chose one, turns on deadline propagation for every task the app publishes, and
+    publishes the app's tasks without the broker's per-message TTL (an expired task is revoked
+    and recorded by the worker that receives it, instead of vanishing from a RabbitMQ queue).
 
     Returns:
         The validated configuration.
@@ -109,11 +113,12 @@ def install(app: Any) -> CrawlConfig:
     Raises:
         ConfigError: naming the bad setting.
     """
-    from . import tasks  # noqa: F401 - connects deadline propagation to before_task_publish
+    from . import tasks  # connects deadline propagation to before_task_publish
     from .worker import install_worker
 
     config = CrawlConfig.from_app(app)
     install_worker(app, config)
+    tasks.keep_expiring_messages(app)
     if not _app_sets(app, "beat_scheduler"):
         app.conf.beat_scheduler = _BEAT_SCHEDULER
     return config

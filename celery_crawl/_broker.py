@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from ._celery_compat import forget_unacked_locally, priority_queue_key, restore_unacked
 
-__all__ = ["AmqpBroker", "BrokerOps", "RedisBroker", "broker_ops", "json_tag"]
+__all__ = ["AmqpBroker", "BrokerOps", "RedisBroker", "broker_ops", "json_tag", "sentinel_master"]
 
 logger = logging.getLogger(__name__)
 
@@ -250,3 +250,19 @@ def broker_ops(app: Any, *, timeout_s: float = 5.0) -> BrokerOps:
     if driver == "redis":
         return RedisBroker(app, timeout_s=timeout_s)
     return AmqpBroker()
+
+
+def sentinel_master(app: Any) -> str | None:
+    """The Sentinel master name of the app's broker (kombu's ``sentinel://`` transport, its
+    ``master_name`` transport option), or None for any other broker.
+
+    A lease store behind the same master sees a failover within half a second; kombu's
+    connections stay on the old master until Sentinel demotes it (up to about 20 s), so the
+    worker and the beat make their broker connection anew when the store sees the master move.
+    """
+    url = app.conf.broker_url or ""
+    first = url.split(";")[0] if isinstance(url, str) else (url[0] if url else "")
+    if not str(first).startswith("sentinel://"):
+        return None
+    name = (app.conf.broker_transport_options or {}).get("master_name")
+    return str(name) if name else None

@@ -59,7 +59,6 @@ __all__ = [
     "request_message",
     "restore_unacked",
     "result_meta",
-    "ride_redis_acks",
     "task_registry",
     "threads_pool_future",
     "untested_versions",
@@ -115,13 +114,11 @@ BACKEND_OVERRIDES: tuple[str, ...] = (
 
 # Our own marker on a consumer whose connection close is guarded (see guard_connection_close).
 _CLOSE_GUARD = "_crawl_close_guard"
-# Our own marker on a Redis channel's QoS whose appends and acks carry extra commands.
-_RIDE_MARK = "_crawl_ride"
 
 #: One script call to make instead of kombu's own MULTI/EXEC round trip, and what to do with
 #: its reply (the reply; the error the server answered; None: the round trip failed and its
 #: error is being raised). The script makes kombu's writes first, from the keys and arguments
-#: the hook was given (``ride_redis_acks``).
+#: the hook was given (``ridden_append``, ``ridden_ack``).
 Ride = tuple[tuple[Any, ...], Callable[[Any], None]]
 
 #: What an ack hook returns when it sent the script itself (it reads the reply later): kombu's
@@ -355,74 +352,6 @@ def remove_unacked(channel: Any, tag: Any) -> None:
     channel.qos._remove_from_indices(tag).execute()
 
 
-def ride_redis_acks(channel: Any,
-                    on_append: Callable[[Any, list[Any], list[Any]], Ride | None],
-                    on_ack: Callable[[Any, list[Any], list[Any]], Ride | object | None]
-                    ) -> None:
-    """Let the script calls ``on_append(message, keys, args)`` and ``on_ack(delivery_tag, keys,
-    args)`` return replace the MULTI/EXEC round trip kombu's Redis ``QoS`` makes when it records
-    a message as unacked and when it acks one (``QoS.append`` and ``QoS.ack`` of kombu 5.7).
-
-    The hooks get kombu's writes as script keys and arguments, which the script they return
-    makes first: append ``keys = [unacked index, unacked hash]``, ``args = [delivery tag,
-    score, unacked entry]`` (``ZADD`` and ``HSET``, as kombu writes them); ack the same keys
-    and ``args = [delivery tag]`` (``ZREM`` and ``HDEL``). One command replaces four, in one
-    atomic script. The reply goes to the ride's callback, also when the round trip fails
-    (None), before kombu's error is raised. A script the server does not know (NOSCRIPT: it
-    made none of kombu's writes) is followed by kombu's own call. A hook returning None leaves
-    that call exactly as kombu makes it; an ack hook returning ``SENT`` has sent its script
-    itself, and only kombu's local bookkeeping of the ack follows."""
-    qos = channel.qos
-    if getattr(qos, _RIDE_MARK, False):
-        return
-    from kombu.transport.virtual.base import QoS as VirtualQoS
-    from kombu.utils.json import dumps
-    from redis.exceptions import NoScriptError, ResponseError
-
-    plain_append, plain_ack = qos.append, qos.ack
-    # One client for every ridden call (kombu makes one per pipeline), on kombu's own pool.
-    client = channel._create_client()
-
-    def call(command: tuple[Any, ...], after: Callable[[Any], None]) -> bool:
-        """Send a ridden script; False when kombu's own call must follow (NOSCRIPT)."""
-        try:
-            reply = client.execute_command(*command)
-        except ResponseError as exc:
-            reply = exc
-        except BaseException:
-            after(None)
-            raise
-        after(reply)
-        if isinstance(reply, NoScriptError):
-            return False
-        if isinstance(reply, ResponseError) and str(reply).startswith(KOMBU_ERROR):
-            raise ResponseError(str(reply)[len(KOMBU_ERROR):])
-        return True
-
-    def append(message: Any, delivery_tag: Any) -> None:
-        info = message.delivery_info
-        ride = on_append(message, [qos.unacked_index_key, qos.unacked_key],
-                         [delivery_tag, time.time(),
-                          dumps([message._raw, info["exchange"], info["routing_key"]])])
-        if ride is None or not call(*ride):
-            plain_append(message, delivery_tag)
-            return
-        VirtualQoS.append(qos, message, delivery_tag)
-
-    def ack(delivery_tag: Any) -> None:
-        ride = on_ack(delivery_tag, [qos.unacked_index_key, qos.unacked_key], [delivery_tag])
-        if ride is SENT:
-            VirtualQoS.ack(qos, delivery_tag)
-            return
-        if ride is None or not call(*cast(Ride, ride)):
-            plain_ack(delivery_tag)
-            return
-        VirtualQoS.ack(qos, delivery_tag)
-
-    qos.append, qos.ack = append, ack
-    setattr(qos, _RIDE_MARK, True)
-
-
 def guard_connection_close(c: Any) -> None:
     """Keep a Redis broker restart from stopping the worker (Celery 5.7 with kombu 5).
 
@@ -509,7 +438,7 @@ def call_task_errbacks(backend: Any, request: Any, exc: Any, traceback: Any) -> 
 
 
 # -- riding in kombu's Redis QoS, subclassed (worker/ridden_transport.py) ---------------------
-# The same rides as ``ride_redis_acks``, made from the ``append``/``ack`` of a QoS subclass
+# The rides, made from the ``append``/``ack`` of a QoS subclass
 # (kombu's own extension point: ``Channel.QoS``, ``Transport.Channel``) instead of methods
 # assigned over a live channel's QoS. ``plain`` is kombu's own method (``super()``'s).
 def ride_client(channel: Any) -> Any:

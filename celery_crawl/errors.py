@@ -19,6 +19,7 @@ occur, ``raise Mapped(...) from exc``, so callers only ever catch these::
     ├── AbandonedRun                a key's earlier run died unfinished (passed to rollback)
     ├── RollbackFailed              a dead run's effects could not be rolled back
     ├── ReplayError                 a finished idempotency key's outcome cannot be replayed
+    ├── TaskIdReused                a dropped duplicate's canvas had no recorded outcome to get
     ├── SerializationRefused        a payload in a serializer other than JSON was aimed at us
     └── UnsupportedSetup            a worker/beat configuration celery-crawl refuses to run under
 """
@@ -44,6 +45,7 @@ __all__ = [
     "StoreError",
     "StoreTimeout",
     "StoreUnavailable",
+    "TaskIdReused",
     "UnsupportedSetup",
 ]
 
@@ -141,6 +143,12 @@ class RollbackFailed(CrawlError):
 
 class ReplayError(CrawlError):
     """A finished idempotency key's stored outcome could not be restored for replay."""
+
+
+class TaskIdReused(CrawlError):
+    """A message reused the id of a finished task and was dropped as its duplicate, and that
+    run's outcome is not recorded (expired, ignored) to give the message's chord, chain or
+    callbacks instead: they fail with this rather than wait for ever."""
 
 
 class SerializationRefused(CrawlError):

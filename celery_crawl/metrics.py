@@ -282,9 +282,18 @@ def _listen(addr: str, port: int) -> WSGIServer:
     return server
 
 
-def watch_master_changes(store: object) -> None:
+def watch_master_changes(store: object,
+                         *also: Callable[[tuple[str, int], tuple[str, int]], None]) -> None:
     """Count the failovers a lease store behind Sentinel notices (its ``sentinel_link``) in
-    ``crawl_store_master_changes_total``; nothing for any other store."""
+    ``crawl_store_master_changes_total``, then tell ``also`` (old and new address); nothing for
+    any other store."""
     link = getattr(store, "sentinel_link", None)
-    if link is not None:
-        link.on_master_change = lambda _old, _new: STORE_MASTER_CHANGES.inc()
+    if link is None:
+        return
+
+    def changed(old: tuple[str, int], new: tuple[str, int]) -> None:
+        STORE_MASTER_CHANGES.inc()
+        for listener in also:
+            listener(old, new)
+
+    link.on_master_change = changed

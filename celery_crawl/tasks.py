@@ -27,6 +27,10 @@ that publishes it). ``self.remaining()`` gives the time left. Every task publish
 task with a deadline (``apply_async``, chains, groups, chords) gets the deadline header, an
 ``expires`` no later than the deadline and time limits (``timelimit``; enforced by the prefork
 pool, ignored by others) no longer than the time left, so a chain never outlives its caller.
+The task messages of an app given to ``install`` (and any carrying a deadline) are published
+without the broker's per-message TTL (AMQP ``expiration``, which Celery derives from
+``expires``): an expired task is revoked by the worker that receives it, so it always ends in a
+recorded ``REVOKED`` instead of vanishing from a RabbitMQ queue.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from datetime import UTC, datetime
 from typing import Any
 
@@ -46,6 +51,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import before_task_publish
 
 from . import _finishing as finishing
+from ._celery_compat import task_registry
 from .backends.audited import (
     GUARD_ATTR,
     MARKED_ATTR,
@@ -231,6 +237,45 @@ def _propagate_deadline(sender: Any = None, headers: dict[str, Any] | None = Non
 
 before_task_publish.connect(_propagate_deadline, weak=False,
                             dispatch_uid="celery_crawl.tasks.propagate_deadline")
+
+
+#: Apps whose task messages go out without the broker's per-message TTL (``install``).
+_KEEP_EXPIRING: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def keep_expiring_messages(app: Any) -> None:
+    """Publish ``app``'s tasks with ``expires`` without the broker's TTL (``install`` does).
+
+    The signal Celery offers has no app: a message is judged by its task's name (registered on
+    such an app) or by its crawl deadline header; another app in the same process keeps
+    Celery's behaviour.
+    """
+    _KEEP_EXPIRING.add(app)
+
+
+def _keep_expiring_messages(sender: Any = None, headers: dict[str, Any] | None = None,
+                            properties: dict[str, Any] | None = None, **_: Any) -> None:
+    """Publish a task with ``expires`` without the broker's per-message TTL.
+
+    Celery turns ``expires`` into AMQP's ``expiration`` property as well. RabbitMQ then discards
+    the message once it expires in the queue - which, with ``task_acks_late`` filling the
+    prefetch window with running tasks, is before any worker saw it: nothing records it, and a
+    caller, chain or chord waiting on it waits for ever. Without the property the message stays
+    queued until a worker takes it, and the worker revokes it as expired (the ``expires``
+    header), recording ``REVOKED`` and counting it into its chord, on every broker.
+    """
+    if properties is None or headers is None or "task" not in headers:
+        return
+    if "expiration" not in properties:
+        return
+    if DEADLINE_HEADER not in headers and not any(
+            sender in (task_registry(app) or ()) for app in list(_KEEP_EXPIRING)):
+        return
+    properties.pop("expiration", None)
+
+
+before_task_publish.connect(_keep_expiring_messages, weak=False,
+                            dispatch_uid="celery_crawl.tasks.keep_expiring_messages")
 
 
 # -- the task base ---------------------------------------------------------------------------

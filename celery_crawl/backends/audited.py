@@ -59,13 +59,15 @@ from urllib.parse import urlsplit
 
 from celery import states
 from celery.backends.redis import RedisBackend
-from celery.exceptions import BackendStoreError
+from celery.exceptions import BackendStoreError, TaskRevokedError
 from kombu.exceptions import EncodeError
 from kombu.utils.encoding import bytes_to_str
 from redis import exceptions as redis_errors
 
 from .. import _finishing as finishing
 from .. import _issued as issued
+from .._canvas import META_FIELD as CANVAS_FIELD
+from .._canvas import canvas_key
 from .._celery_compat import (
     call_task_errbacks,
     fail_chain,
@@ -636,6 +638,12 @@ class AuditedRedisBackend(RedisBackend):
         rollback = getattr(request, "crawl_rollback", None) if request is not None else None
         if rollback:
             meta["crawl_rollback"] = rollback
+        if request is not None and state in states.READY_STATES:
+            # Which canvas this outcome went to: a later copy of the message from another
+            # canvas gets it replayed (celery_crawl.worker.replay).
+            canvas = canvas_key(lambda name: getattr(request, name, None))
+            if canvas is not None:
+                meta[CANVAS_FIELD] = canvas
         return meta
 
     def encode_meta(self, meta: dict[str, Any]) -> tuple[str, str]:
@@ -690,7 +698,8 @@ class AuditedRedisBackend(RedisBackend):
         outcome = self.write_state(
             task_id, value, state, token=token, digest=digest, worker=worker or "",
             rollback=rollback or "", expires_s=int(expires or 0),
-            guard=(guard.record_key, guard.run_id) if guard is not None else None)
+            guard=(guard.record_key, guard.run_id) if guard is not None else None,
+            operator_revoke=bool(kwargs.get("crawl_operator_revoke")) and token is None)
         if outcome != "written":
             logger.warning("result of task %s (%s, token %s) %s", task_id, state, token, outcome)
             if request is not None and (token is not None or outcome == "refused-fenced") and (
@@ -750,9 +759,35 @@ class AuditedRedisBackend(RedisBackend):
             if call_errbacks and request.errbacks:
                 call_task_errbacks(self, request, exc, traceback)
 
+    def mark_as_revoked(self, task_id: str, reason: str = "", request: Any = None,
+                        store_result: bool = True, state: str = states.REVOKED) -> None:
+        """Celery's, with three differences.
+
+        A revoke from outside any run (no ``request``: the worker's ``revoke`` command, which
+        Celery 5.7 records for a task that is not running) is an operator's, not a stale write:
+        it may replace a state a run wrote with its claim token while no run is going
+        (PENDING, RECEIVED, RETRY, REJECTED), and keeps that token, so the run that wrote it
+        cannot overwrite the revoke; a run going (STARTED, a custom state) or a ready result is
+        left alone, judged in the same script as the write. A refused (stale) run is not
+        counted into its chord. A task that expired carrying a crawl deadline names the
+        deadline in its reason.
+        """
+        deadline = getattr(request, "crawl_deadline", None) if request is not None else None
+        if reason == "expired" and isinstance(deadline, str):
+            reason = f"expired: its crawl deadline {deadline} passed before it started"
+        exc = TaskRevokedError(reason)
+        if store_result:
+            self.store_result(task_id, exc, state, traceback=None, request=request,
+                              crawl_operator_revoke=request is None)
+            if self._stale(task_id, request, "its chord part"):
+                return
+        if request and request.chord:
+            self.on_chord_part_return(request, state, exc)
+
     def write_state(self, task_id: str, value: str, state: str, *, token: int | None,
                     digest: str, worker: str = "", rollback: str = "",
-                    expires_s: int = 0, guard: tuple[str, str] | None = None) -> str:
+                    expires_s: int = 0, guard: tuple[str, str] | None = None,
+                    operator_revoke: bool = False) -> str:
         """Run the store script (one round trip, retried on connection errors).
 
         Returns:
@@ -771,6 +806,7 @@ class AuditedRedisBackend(RedisBackend):
                 "1" if self.checks_token_issuance else "0", task_id, self.token_counter_key]
         if guard is not None:
             keys.append(guard[0])
+        args.append("1" if operator_revoke else "0")
         reply = self.ensure(self._run_store, (keys, args, guard[1] if guard else ""))
         return str(bytes_to_str(reply[0]))
 
@@ -790,7 +826,7 @@ class AuditedRedisBackend(RedisBackend):
                     self._issued_floor = max(self._issued_floor, int(bytes_to_str(raw)))
         # A new list: a retried call (``ensure``) gets the same ``args`` again.
         return self.run_script(self._store_script, keys,
-                               [*args[:11], str(self._issued_floor), run_id])
+                               [*args[:11], str(self._issued_floor), run_id, args[12]])
 
     def _forget(self, task_id: str) -> None:
         # Forgetting is recorded, so that `audit verify` expects the result to be gone.

@@ -10,7 +10,10 @@
 --       read before; '0' = never read or missing), 13 (with KEYS[4]) the run id that must still
 --       own the idempotency key: the SUCCESS of an IdempotentTask run that published nothing
 --       after its body (no callbacks, no chain) is written only if no newer run took its key
---       over meanwhile; otherwise 'refused-fenced' (the run then rolls back and fails)
+--       over meanwhile; otherwise 'refused-fenced' (the run then rolls back and fails),
+--       14 '1' for an operator's revoke (an untokened REVOKED from outside any run): it may
+--       replace a tokened state while no run is going (PENDING, RECEIVED, RETRY, REJECTED) and
+--       keeps that state's token, so the run that wrote it cannot overwrite the revoke
 -- The counter is read by the caller, not here: every key a script touches must be declared
 -- (Redis Cluster routes by them), and Redis's ACL treats every declared key as read-write,
 -- while the backend's user should only read the counter, so that it cannot forge it (%R~ in
@@ -82,6 +85,10 @@ end
 if outcome == 'written' then
   if floor and ntoken and ntoken < floor then
     outcome = 'refused-stale'
+  elseif ctoken and not ntoken and ARGV[14] == '1' and cur_ready ~= '1'
+      and (cur[2] == 'PENDING' or cur[2] == 'RECEIVED' or cur[2] == 'RETRY'
+           or cur[2] == 'REJECTED') then
+    token = cur_token
   elseif ctoken and (not ntoken or ntoken < ctoken) then
     outcome = 'refused-stale'
   elseif cur_ready == '1' then

@@ -29,6 +29,7 @@ from typing import Any
 from celery.beat import Scheduler
 
 from .. import keys, metrics, status
+from .._broker import sentinel_master
 from .._celery_compat import warn_untested
 from ..clock import Clock, RedisTimeReference, monotonic
 from ..config import CrawlConfig, plain_redis_url
@@ -103,6 +104,8 @@ class LeasedScheduler(Scheduler):
         self._rows_problem: str | None = None
         self._next_write_back = 0.0
         self._store: Any = None
+        #: The lease store saw its Redis master move (Sentinel): the producer is made anew.
+        self._broker_moved = False
         self._clock: Clock | None = None
         self._term: Term | None = None
         self._guards: Guards | None = None
@@ -138,7 +141,7 @@ class LeasedScheduler(Scheduler):
         except ConfigError as exc:  # a busy port must not take the scheduler down
             log.error("beat: metrics are off: %s", exc)
         store = self._store = store_for(self.config)
-        metrics.watch_master_changes(store)
+        metrics.watch_master_changes(store, self._master_moved)
         self._clock = Clock(self._reference(), wall=self._wall_clock)
         term = self._term = Term(store, self.election, ttl_s=self.config.beat_lease_ttl_s,
                                  replica_id=self.replica_id, promote=self._promote,
@@ -423,6 +426,29 @@ class LeasedScheduler(Scheduler):
             self._book.queue(name)
         self._book.flush()
 
+    def _master_moved(self, _old: tuple[str, int], _new: tuple[str, int]) -> None:
+        # Called on whichever thread made the store call: the producer is replaced on the next
+        # publish, on the scheduler's own thread.
+        self._broker_moved = True
+
+    def _producer(self) -> Any:
+        """The producer to publish with: made anew after the lease store saw its Redis master
+        move when the broker is behind the same Sentinel master (kombu would publish to the old
+        master, which drops what it got when Sentinel demotes it)."""
+        if self._broker_moved:
+            self._broker_moved = False
+            link = getattr(self._store, "sentinel_link", None)
+            if link is not None and sentinel_master(self.app) == link.master_name:
+                log.warning("beat: the Redis master %r moved: making the broker connection anew "
+                            "through Sentinel", link.master_name)
+                # Celery's Scheduler caches both (kombu cached_property, in the instance dict).
+                self.__dict__.pop("producer", None)
+                conn = self.__dict__.pop("connection", None)
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        conn.collect()
+        return self.producer
+
     def _resend(self, name: str, sent: Sent) -> bool:
         entry, lease = self.entries.get(name), self.election.lease
         if entry is None or lease is None or not self.election.may_publish():
@@ -430,7 +456,7 @@ class LeasedScheduler(Scheduler):
         try:
             self._publisher.publish(entry, parse_slot(sent.slot), token=lease.token,
                                     remaining_s=self.election.remaining_s(),
-                                    producer=self.producer, manual=sent.manual)
+                                    producer=self._producer(), manual=sent.manual)
         except Exception as exc:  # kombu raises many types; the next check tries again
             log.error("beat: entry %r: publishing %s again failed: %s", name, sent.task_id, exc)
             return False
@@ -456,7 +482,7 @@ class LeasedScheduler(Scheduler):
         try:
             task_id = self._publisher.publish(
                 entry, slot, token=lease.token, remaining_s=self.election.remaining_s(),
-                producer=self.producer, manual=manual)
+                producer=self._producer(), manual=manual)
         except Exception as exc:  # kombu raises many types; the run is recorded as skipped
             log.error("beat: entry %r slot %s: publish failed: %s", entry.name,
                       format_slot(slot), exc)

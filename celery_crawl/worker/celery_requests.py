@@ -20,13 +20,15 @@ from celery.worker import state as worker_state
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .. import _celery_compat as compat
+from . import replay
 from .claims import Held, lenient_int, message_digest
 from .context import CLAIM_HEADER
 from .delivery import Delivery
 from .unforged import strip_claim_token
 
-__all__ = ["Settle", "ack", "apply_or_refuse", "cancel_request", "claimed_strategy",
-           "delivery_of", "held_for", "held_or_none", "run", "settle_unless_fenced", "will_run"]
+__all__ = ["Settle", "ack", "ack_dropped", "apply_or_refuse", "cancel_request",
+           "claimed_strategy", "delivery_of", "held_for", "held_or_none", "run",
+           "settle_unless_fenced", "will_run"]
 
 logger = logging.getLogger("celery_crawl.worker")
 
@@ -131,6 +133,13 @@ def ack(held: Held, consumer: Any) -> None:
     """Ack ``held``'s message without running it (a duplicate, a poison message)."""
     _settler(held, delivery_of(held).ack,
              (logger, getattr(consumer, "connection_errors", ())), {})()
+
+
+def ack_dropped(app: Any, held: Held, hostname: str, ack: Settle,
+                offload: Callable[[Callable[[], Callable[[], Any] | None]], None] | None) -> None:
+    """Ack a delivery dropped as a duplicate of a finished run, after its canvas (when it is
+    another one than the finished run's) got that run's recorded outcome (``replay.py``)."""
+    replay.then_ack(app, held.task_name, held.task_id, held.message, hostname, ack, offload)
 
 
 def settle_unless_fenced(held: Held, settle: Settle) -> None:

@@ -493,7 +493,10 @@ class ConsumerClaims:
         logger.warning("celery-crawl: %s[%s] already finished (done tombstone) and handed "
                        "its id on to no newer message; dropping this delivery as a "
                        "duplicate", held.task_name, held.task_id)
-        self._call_ack(held)
+        # Its canvas gets the finished run's outcome before the ack (replay.py).
+        requests.ack_dropped(self.app, held, self.hostname,
+                             functools.partial(self._call_ack, held),
+                             self._offload.submit if self._offloading() else None)
 
     def _run(self, held: Held) -> None:
         requests.run(held, self._end, self._refused)

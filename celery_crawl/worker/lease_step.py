@@ -21,6 +21,7 @@ from .. import _celery_compat as compat
 from .. import _finishing as finishing
 from .. import _issued as issued
 from .. import metrics, status
+from .._broker import sentinel_master
 from ..config import CrawlConfig
 from ..errors import StoreError
 from ..leases import store_for
@@ -83,13 +84,31 @@ class LeaseStep(bootsteps.StartStopStep):
         finishing.setup(in_process=self.pool_name == "threads")
         w.crawl_lease = self
 
+    def _master_moved(self, _old: tuple[str, int], new: tuple[str, int]) -> None:
+        """The lease store's Redis master moved (a Sentinel failover): when the broker is
+        behind the same master, the consumer's connection is made anew on the event loop (a
+        connection error there is Celery's own reconnection), instead of consuming from the old
+        master until Sentinel demotes it."""
+        link = getattr(self.store, "sentinel_link", None)
+        hub = getattr(self.worker, "hub", None)
+        if link is None or hub is None or sentinel_master(self.app) != link.master_name:
+            return
+        logger.warning("celery-crawl: the Redis master %r moved to %s:%s: reconnecting to the "
+                       "broker through Sentinel", link.master_name, *new)
+
+        def reconnect() -> None:
+            raise ConnectionError(f"the Redis master {link.master_name!r} moved to "
+                                  f"{new[0]}:{new[1]} (Sentinel failover)")
+
+        hub.call_soon(reconnect)
+
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, w: Any) -> None:
         config = self.config
         claims = self.claim_step
         assert claims is not None, "ClaimStep is installed with LeaseStep (install_worker)"
         self.store = store_for(config)
-        metrics.watch_master_changes(self.store)
+        metrics.watch_master_changes(self.store, self._master_moved)
         self.broker = broker_ops(self.app, timeout_s=max(2.0, config.store_timeout_s))
         self.keeper = Keeper(self.store, ttl_s=config.worker_lease_ttl_s,
                              on_change=claims.changed_from_thread)

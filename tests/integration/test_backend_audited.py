@@ -475,3 +475,44 @@ def test_a_cluster_needs_the_cluster_url_and_plain_text(redis_cluster: RedisClus
         plain.store_result(tid, 1, states.SUCCESS, request=req())
     with pytest.raises(ConfigError, match=r"only crawlredis\+cluster:// names a Redis Cluster"):
         _ = make_app(f"crawlrediss+cluster://127.0.0.1:{seed.port}/0").backend
+
+
+def test_an_operator_revoke_replaces_a_waiting_retry_but_not_a_run_going(backend) -> None:
+    """Celery 5.7's ``revoke`` command records REVOKED without a request for a task that is not
+    running. Over a run's tokened RETRY it is written and keeps that token (the run that wrote
+    it cannot overwrite the revoke; a newer claim can, as a run that missed the revoke does on
+    stock); over a run going (STARTED) or a ready result it is refused; a revoke inside a run
+    without a token is judged as any untokened write."""
+    tid = str(uuid.uuid4())
+    backend.store_result(tid, ValueError("again"), states.RETRY, request=req(5))
+    backend.mark_as_revoked(tid, reason="revoked")
+    assert status(backend, tid) == "REVOKED"
+    backend.store_result(tid, "late", states.SUCCESS, request=req(5))
+    backend.store_result(tid, {"pid": 1}, states.STARTED, request=req(5))
+    assert status(backend, tid) == "REVOKED"
+    backend.store_result(tid, "newer", states.SUCCESS, request=req(6))
+    assert status(backend, tid) == "SUCCESS"
+    assert outcomes(backend, tid) == [
+        ("RETRY", "written"), ("REVOKED", "written"), ("SUCCESS", "refused-stale"),
+        ("STARTED", "refused-regression"), ("SUCCESS", "written")]
+    assert [r.token for r in history(backend, tid)][:2] == [5, 5]
+
+    going, done, inside = (str(uuid.uuid4()) for _ in range(3))
+    backend.store_result(going, {"pid": 1}, states.STARTED, request=req(7))
+    backend.store_result(done, 1, states.SUCCESS, request=req(8))
+    backend.store_result(inside, ValueError("again"), states.RETRY, request=req(9))
+    backend.mark_as_revoked(going, reason="revoked")
+    backend.mark_as_revoked(done, reason="revoked")
+    backend.mark_as_revoked(inside, reason="revoked", request=req(None))
+    assert [status(backend, t) for t in (going, done, inside)] == ["STARTED", "SUCCESS", "RETRY"]
+    assert [outcomes(backend, t)[-1] for t in (going, done, inside)] == [
+        ("REVOKED", "refused-stale")] * 3
+
+
+def test_an_expired_crawl_child_names_its_deadline(backend) -> None:
+    tid = str(uuid.uuid4())
+    deadline = "2026-01-01T00:00:00+00:00"
+    backend.mark_as_revoked(tid, "expired", request=req(3, crawl_deadline=deadline))
+    meta = backend.get_task_meta(tid, cache=False)
+    assert meta["status"] == "REVOKED"
+    assert deadline in str(backend.exception_to_python(meta["result"]))

@@ -17,7 +17,7 @@ PACKAGE = Path(celery_crawl.__file__).parent
 
 _BASE = {"errors", "durations", "_urls"}
 _CORE = _BASE | {"config", "keys", "metrics"}
-_SERVICES = _CORE | {"leases", "clock", "cliapp", "_broker", "_finishing", "_issued"}
+_SERVICES = _CORE | {"leases", "clock", "cliapp", "_broker", "_finishing", "_issued", "_canvas"}
 
 #: part -> the parts it may import ("part" = first name below ``celery_crawl``; the package's
 #: own ``__init__`` is ``(root)``). Lower layers never import higher ones.
@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "_broker": set(),
     "_finishing": set(),
     "_issued": set(),
+    "_canvas": set(),
     "keys": set(),
     "metrics": {"errors"},
     "config": _BASE,

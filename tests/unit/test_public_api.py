@@ -10,7 +10,7 @@ EXPECTED = {
     "IdempotentTask", "Lease", "LeaseError", "LeaseLost", "LeaseStore", "LeasedScheduler",
     "NotLeader", "PoisonMessage", "ReplayError", "RollbackFailed",
     "ScheduleError", "ScheduleFileError", "SerializationRefused", "StoreDataError",
-    "StoreError", "StoreTimeout", "StoreUnavailable", "TzCron", "UnsupportedSetup",
+    "StoreError", "StoreTimeout", "StoreUnavailable", "TaskIdReused", "TzCron", "UnsupportedSetup",
     "__version__", "current_claim", "install", "open_store",
 }
 
