@@ -119,8 +119,10 @@ def assert_clean(out: str, returncode: int) -> None:
     """Exit 0, everything stopped in time, and no process printed a traceback."""
     assert returncode == 0, out[-5000:]
     assert "did not stop" not in out, out[-5000:]
-    noisy = [x for x in out.splitlines() if "Traceback" in x]
-    assert not noisy, out[-5000:]
+    lines = out.splitlines()
+    noisy = [i for i, x in enumerate(lines) if "Traceback" in x]
+    # Each traceback with the lines around it (the tail alone may not hold them).
+    assert not noisy, "\n-----\n".join("\n".join(lines[max(0, i - 3):i + 25]) for i in noisy)
     assert "FAILED" not in summary_of(out)
 
 
