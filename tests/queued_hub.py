@@ -37,3 +37,17 @@ class QueuedHub:
         for fn, args in reversed(todo):
             fn(*args)
         return len(todo)
+
+
+def stub_consumer(worker: Any, strategies: dict[str, Any], conn: Any, channel: Any) -> Any:
+    """The consumer attributes the claim step reads, around a real connection and channel
+    (the worker integration tests drive its strategies by hand)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        controller=worker, strategies=strategies, connection=conn,
+        task_consumer=SimpleNamespace(channel=channel, cancel=lambda: None,
+                                      consume=lambda: None),
+        connection_errors=(),
+        timer=SimpleNamespace(call_repeatedly=lambda *a: SimpleNamespace(cancel=lambda: None)),
+        on_connection_error_after_connected=lambda exc: None)

@@ -27,7 +27,7 @@ from kombu import Consumer, Queue
 from celery_crawl import keys
 from celery_crawl.worker.consumer_claims import ConsumerClaims
 from celery_crawl.worker.steps import ClaimStep, LeaseStep
-from tests.queued_hub import QueuedHub
+from tests.queued_hub import QueuedHub, stub_consumer
 from tests.servers import RedisServer, wait_until
 
 #: Long enough that the freezes below (3 s at most) never cost the worker its lease.
@@ -134,13 +134,7 @@ def rig(redis_server: RedisServer, fresh_redis: RedisServer) -> Iterator[Rig]:
         rig.started[task_id] = ack
         rig.starts[task_id] = rig.starts.get(task_id, 0) + 1
 
-    consumer = SimpleNamespace(
-        controller=worker, strategies={TASK: original}, connection=conn,
-        task_consumer=SimpleNamespace(channel=channel, cancel=lambda: None,
-                                      consume=lambda: None),
-        connection_errors=(),
-        timer=SimpleNamespace(call_repeatedly=lambda *a: SimpleNamespace(cancel=lambda: None)),
-        on_connection_error_after_connected=lambda exc: None)
+    consumer = stub_consumer(worker, {TASK: original}, conn, channel)
     step = ClaimStep(consumer).claims
     lease_step.start(worker)
     step.start(consumer)

@@ -26,7 +26,7 @@ from kombu import Consumer, Queue
 
 from celery_crawl.worker import install_worker
 from celery_crawl.worker.steps import ClaimStep, LeaseStep
-from tests.queued_hub import QueuedHub
+from tests.queued_hub import QueuedHub, stub_consumer
 from tests.servers import RedisServer
 from tests.tcpproxy import TcpProxy
 
@@ -57,13 +57,7 @@ def cut_rig(fresh_redis: RedisServer) -> Iterator[SimpleNamespace]:
                      **kw: Any) -> None:
             started.append(message.headers["id"])
 
-        consumer = SimpleNamespace(
-            controller=worker, strategies={TASK: original}, connection=conn,
-            task_consumer=SimpleNamespace(channel=channel, cancel=lambda: None,
-                                          consume=lambda: None),
-            connection_errors=(),
-            timer=SimpleNamespace(call_repeatedly=lambda *a: SimpleNamespace(cancel=lambda: None)),
-            on_connection_error_after_connected=lambda exc: None)
+        consumer = stub_consumer(worker, {TASK: original}, conn, channel)
         step = ClaimStep(consumer).claims
         lease_step.start(worker)
         step.start(consumer)

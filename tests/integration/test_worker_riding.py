@@ -22,7 +22,7 @@ from celery_crawl import keys
 from celery_crawl.worker import install_worker, ridden_transport
 from celery_crawl.worker.consumer_claims import ConsumerClaims
 from celery_crawl.worker.steps import ClaimStep, LeaseStep
-from tests.queued_hub import QueuedHub
+from tests.queued_hub import QueuedHub, stub_consumer
 from tests.servers import Monitor, RedisServer, wait_until
 
 TTL_S = 3.0
@@ -93,13 +93,7 @@ def rig(redis_server: RedisServer) -> Iterator[Rig]:
                  **kw: Any) -> None:
         rig.started[message.headers["id"]] = ack
 
-    consumer = SimpleNamespace(
-        controller=worker, strategies={TASK: original}, connection=conn,
-        task_consumer=SimpleNamespace(channel=channel, cancel=lambda: None,
-                                      consume=lambda: None),
-        connection_errors=(),
-        timer=SimpleNamespace(call_repeatedly=lambda *a: SimpleNamespace(cancel=lambda: None)),
-        on_connection_error_after_connected=lambda exc: None)
+    consumer = stub_consumer(worker, {TASK: original}, conn, channel)
     step = ClaimStep(consumer).claims
     lease_step.start(worker)
     step.start(consumer)
