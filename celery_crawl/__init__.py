@@ -105,7 +105,9 @@ def install(app: Any) -> CrawlConfig:
     only act inside ``celery worker``), makes ``LeasedScheduler`` the default beat scheduler unless
     the app chose one, turns on deadline propagation for every task the app publishes, and
     publishes the app's tasks without the broker's per-message TTL (an expired task is revoked
-    and recorded by the worker that receives it, instead of vanishing from a RabbitMQ queue).
+    and recorded by the worker that receives it, instead of vanishing from a RabbitMQ queue),
+    and marks each publish with an id of its own (``publishes.py``: a frozen signature applied
+    again runs again, a redelivered copy does not).
 
     Returns:
         The validated configuration.
@@ -113,12 +115,13 @@ def install(app: Any) -> CrawlConfig:
     Raises:
         ConfigError: naming the bad setting.
     """
-    from . import tasks  # connects deadline propagation to before_task_publish
+    from . import publishes, tasks  # connect to before_task_publish
     from .worker import install_worker
 
     config = CrawlConfig.from_app(app)
     install_worker(app, config)
     tasks.keep_expiring_messages(app)
+    publishes.mark_publishes()
     if not _app_sets(app, "beat_scheduler"):
         app.conf.beat_scheduler = _BEAT_SCHEDULER
     return config

@@ -101,6 +101,9 @@ except ConfigError as _exc:
 CrawlTask: type[Task] = _task_base()
 
 _DEADLINE_HEADER = "crawl_deadline"
+#: A child's publish id is its task id: a re-run parent's fan-out is the same publish, so a
+#: finished child is not run again (celery_crawl/publishes.py).
+_SENT_HEADER = "crawl_sent"
 
 
 # -- per-process resources (created after fork) ---------------------------------------------
@@ -373,9 +376,10 @@ def _fan_out(task: Task, links: list[str], deadline: datetime, target: Task,
     if entry:
         headers["crawl_entry"] = entry
     for link in links:
-        child = target.apply_async(args=(link,), kwargs=kwargs or {},
-                                   task_id=_child_id(task.request.id, link),
-                                   headers=headers, expires=expires)
+        child_id = _child_id(task.request.id, link)
+        child = target.apply_async(args=(link,), kwargs=kwargs or {}, task_id=child_id,
+                                   headers={**headers, _SENT_HEADER: child_id},
+                                   expires=expires)
         ids.append(child.id)
     return ids
 

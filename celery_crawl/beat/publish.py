@@ -23,6 +23,7 @@ from typing import Any
 
 from .._celery_compat import exec_options, task_registry
 from ..clock import monotonic
+from ..publishes import SENT_HEADER
 from ..schedules import task_id_for
 from ..schedules.ids import task_id_for_text
 from .entries import BeatEntry
@@ -175,6 +176,8 @@ class Publisher:
             "crawl_entry": entry.name,
             "crawl_slot": self._slot_text,
             "crawl_leader_token": token,
+            # One publish per slot, whichever leader sends it (publishes.py).
+            SENT_HEADER: task_id,
         }
         if manual:
             headers["crawl_manual"] = True

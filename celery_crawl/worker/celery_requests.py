@@ -20,6 +20,7 @@ from celery.worker import state as worker_state
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .. import _celery_compat as compat
+from ..publishes import SENT_HEADER
 from . import replay
 from .claims import Held, lenient_int, message_digest
 from .context import CLAIM_HEADER
@@ -78,7 +79,7 @@ def held_for(message: Any, task_name: str) -> Held:
         generation=(lenient_int(headers.get("replaced_task_nesting")), retries),
         digest_source=functools.partial(_digest_of, message), message=message,
         task_name=task_name, exchange=info.get("exchange"),
-        routing_key=info.get("routing_key"),
+        routing_key=info.get("routing_key"), sent=str(headers.get(SENT_HEADER) or ""),
     )
 
 

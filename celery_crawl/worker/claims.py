@@ -63,6 +63,7 @@ __all__ = [
     "Outcome",
     "deliveries_key",
     "estimate_death",
+    "is_new_publish",
     "is_successor",
     "json_tag",
     "lenient_float",
@@ -100,6 +101,7 @@ class Decision:
         alive_at: UNIX time just before the read that found that claim alive (PARK).
         died_at: estimated UNIX time the worker whose task this delivery takes over died, when
             it takes over a dead worker's task (RUN; see ``estimate_death``).
+        sent_before: see below.
     """
 
     outcome: Outcome
@@ -108,6 +110,9 @@ class Decision:
     holder: str | None = None
     alive_at: float | None = None
     died_at: float | None = None
+    #: The publishes (``crawl_sent``) the task id already ran for, from the tombstone this
+    #: delivery runs after (RUN and POISON): its own end records them with its own.
+    sent_before: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -141,6 +146,10 @@ class Held:
     digest_source: Callable[[], str] | None = None
     #: The run handed its task id on (set from the pool child's mark when it ends).
     handoff: bool = False
+    #: The publish this message belongs to (``crawl_sent``; "" when unmarked, ``publishes.py``).
+    sent: str = ""
+    #: The publishes the task id already ran for (``Decision.sent_before``).
+    sent_before: tuple[str, ...] = ()
     #: The registered name of the task (for logs and the poison path).
     task_name: str = ""
     #: Where the message was published to (recorded in the claim).
@@ -297,6 +306,7 @@ class Claimer:
         retries: int = 0,
         generation: tuple[int, int] | None = None,
         digest: str = "",
+        sent: str = "",
         known_deliveries: int = 0,
         parked: bool = False,
         holder: str | None = None,
@@ -308,7 +318,8 @@ class Claimer:
 
         Args:
             generation: ``(replaced_task_nesting, retries)`` of the message (default
-                ``(0, retries)``); digest: ``message_digest`` of it (see ``is_successor``).
+                ``(0, retries)``); digest: ``message_digest`` of it (see ``is_successor``);
+                sent: its publish id (see ``is_new_publish``).
             known_deliveries: a delivery count already known from a claimant seen while parked.
             parked: a parked delivery looked at again: the claim is read before claiming, so a
                 claim still alive costs no claim attempt and a dead one is recognised as the
@@ -331,7 +342,7 @@ class Claimer:
                 return self._decide_once(
                     lease, task_id, delivery_tag=delivery_tag, queue=queue, exchange=exchange,
                     routing_key=routing_key, retries=retries, generation=gen, digest=digest,
-                    known_deliveries=known_deliveries, parked=parked, holder=holder,
+                    sent=sent, known_deliveries=known_deliveries, parked=parked, holder=holder,
                     alive_at=alive_at,
                     presume_fresh=presume_fresh and attempt == 0 and not parked)
             except RecordChanged:
@@ -367,7 +378,7 @@ class Claimer:
                 out.append(self.decide(
                     held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
                     exchange=held.exchange, routing_key=held.routing_key, retries=held.retries,
-                    generation=held.generation, digest=held.digest_now(),
+                    generation=held.generation, digest=held.digest_now(), sent=held.sent,
                     known_deliveries=held.deliveries, presume_fresh=False, under=lease))
             else:
                 # This one call failed (the others stand): fail closed, look again later.
@@ -412,9 +423,9 @@ class Claimer:
 
     def _decide_once(self, lease: Lease, task_id: str, *, delivery_tag: Any, queue: str | None,
                      exchange: str | None, routing_key: str | None, retries: int,
-                     generation: tuple[int, int], digest: str, known_deliveries: int,
-                     parked: bool, holder: str | None, alive_at: float | None,
-                     presume_fresh: bool = False) -> Decision:
+                     generation: tuple[int, int], digest: str, sent: str,
+                     known_deliveries: int, parked: bool, holder: str | None,
+                     alive_at: float | None, presume_fresh: bool = False) -> Decision:
         key = keys.task_claim(task_id)
         done_key = keys.done(task_id)
         count_key = deliveries_key(task_id)
@@ -428,8 +439,10 @@ class Claimer:
         else:
             (done, version), (seen, seen_version) = self.store.get_many_versioned(
                 [done_key, count_key])
-        if done is not None and not is_successor(done, generation, digest):
+        if done is not None and not (is_successor(done, generation, digest)
+                                     or is_new_publish(done, sent)):
             return Decision(Outcome.DUPLICATE)
+        before = publishes_of(done)
         prior = max(known_deliveries, lenient_int((seen or {}).get("n")))
         # Set by the reaper when it found the previous claimant's lease dead.
         died_at = lenient_float((seen or {}).get("died_at"))
@@ -474,8 +487,10 @@ class Claimer:
             # Its lease died between claim and claimant: count it and try again next time.
             return Decision(Outcome.PARK, holder=current.holder, deliveries=counted)
         if deliveries >= self.max_deliveries:
-            return Decision(Outcome.POISON, token=token, deliveries=deliveries)
-        return Decision(Outcome.RUN, token=token, deliveries=deliveries, died_at=died_at)
+            return Decision(Outcome.POISON, token=token, deliveries=deliveries,
+                            sent_before=before)
+        return Decision(Outcome.RUN, token=token, deliveries=deliveries, died_at=died_at,
+                        sent_before=before)
 
     def finish(self, held: Held, *, state: str, requeue: bool = False) -> None:
         """Record the end of a claimed delivery.
@@ -538,7 +553,8 @@ class Claimer:
                 {"state": state, "token": held.token, "retries": held.retries,
                  "gen": list(held.generation),
                  "digest": held.digest_now() if held.handoff else "",
-                 "handoff": held.handoff, "worker": self.worker, "at": time.time()})
+                 "handoff": held.handoff, "sent": ran_for(held),
+                 "worker": self.worker, "at": time.time()})
 
     def drop(self, held: Held, lease: Lease | None = None) -> None:
         """Delete the claim of ``held`` if it is still ours (no tombstone)."""
@@ -570,6 +586,39 @@ def message_digest(headers: Mapping[str, Any], body: Any, *, without: str = "") 
     h.update(b"\0")
     h.update(body if isinstance(body, bytes) else str(body).encode("utf-8", "surrogateescape"))
     return h.hexdigest()
+
+
+#: How many publishes of one task id a tombstone remembers (the newest).
+MAX_PUBLISHES = 16
+
+
+def is_new_publish(done: Mapping[str, Any], sent: str) -> bool:
+    """Whether a delivery is a new publish of a finished task id, which runs again.
+
+    A frozen signature applied again is a new publish of the same id and runs again, as on
+    stock Celery; a redelivery, a restored or duplicated copy carries the publish id of a run
+    recorded in tombstone ``done`` and does not (``publishes.py``). An unmarked message, or a
+    tombstone that records no publish ids, keeps the stricter rule: not again.
+    """
+    recorded = done.get("sent")
+    return bool(sent) and isinstance(recorded, list) and sent not in recorded
+
+
+def publishes_of(done: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The publish ids tombstone ``done`` records (none for no tombstone)."""
+    recorded = (done or {}).get("sent")
+    if not isinstance(recorded, list):
+        return ()
+    return tuple(str(x) for x in recorded if isinstance(x, str))
+
+
+def ran_for(held: Held) -> list[str]:
+    """The publish ids the tombstone of ``held``'s end records: those before it and its
+    own, the newest ``MAX_PUBLISHES``."""
+    out = list(held.sent_before)
+    if held.sent and held.sent not in out:
+        out.append(held.sent)
+    return out[-MAX_PUBLISHES:]
 
 
 def is_successor(done: Mapping[str, Any], generation: tuple[int, int], digest: str) -> bool:

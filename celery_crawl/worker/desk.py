@@ -76,7 +76,7 @@ class Desk:
                 held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
                 exchange=held.exchange, routing_key=held.routing_key,
                 retries=held.retries, generation=held.generation, digest=held.digest_now(),
-                known_deliveries=held.deliveries, parked=held.parked,
+                sent=held.sent, known_deliveries=held.deliveries, parked=held.parked,
                 holder=held.holder, alive_at=held.alive_at, presume_fresh=presume_fresh,
                 under=lease)
         except StoreError as exc:
@@ -113,6 +113,7 @@ class Desk:
         held.parked = False
         held.token = decision.token
         held.deliveries = decision.deliveries
+        held.sent_before = decision.sent_before
         held.lease_name = under.name if under else None
         held.holder = under.holder if under else None
         self.book.add(held)

@@ -106,6 +106,8 @@ def test_one_leader_publishes_each_slot_once_with_headers(
     for m in msgs:
         slot = datetime.fromisoformat(m["crawl_slot"].replace("Z", "+00:00"))
         assert m["id"] == task_id_for(ns, "tick", slot)
+        # One publish per slot, whichever leader sends it: a copy of it is a duplicate.
+        assert m["crawl_sent"] == m["id"]
         assert m["crawl_entry"] == "tick"
         assert m["crawl_leader_token"] == leader.election.lease.token
         assert m["body"][0] == [1]

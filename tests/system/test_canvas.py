@@ -219,23 +219,33 @@ def test_a_task_republishing_its_own_id_runs_again(stack: Stack, mode: str, pool
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
-def test_a_finished_id_published_again_by_a_producer_is_dropped(stack: Stack,
-                                                                 pool: str) -> None:
-    """A deliberate difference from stock Celery (which runs each of these again): after a run
-    that handed nothing on, messages under its id from outside it — even with forged
-    ``retries`` / ``replaced_task_nesting`` headers — are duplicates (docs/worker.md)."""
+def test_a_finished_id_published_again_runs_only_as_a_new_publish(
+        stack: Stack, pool: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a run that handed nothing on, copies of its publish (its ``crawl_sent``) are
+    duplicates, even with forged ``retries`` / ``replaced_task_nesting`` headers, and so are
+    unmarked messages under its id (a producer without ``install``); a new publish of the id
+    runs again, as on stock Celery (docs/worker.md, "Task ids used again")."""
+    from celery_crawl import publishes
+
     t = _tasks("crawl", pool)
     key = uuid.uuid4().hex[:10]
-    first = t.record.apply_async((key,))
+    sent = {"crawl_sent": f"p-{key}"}
+    first = t.record.apply_async((key,), headers=sent)
     assert first.get(timeout=TIMEOUT_S) == 1
     for options in ({}, {"retries": 5}, {"replaced_task_nesting": 3}):
-        t.record.apply_async((key,), task_id=first.id, **options)
+        t.record.apply_async((key,), task_id=first.id, headers=sent, **options)
+    with monkeypatch.context() as unmarked:
+        unmarked.setattr(publishes, "_marking", False)
+        t.record.apply_async((key,), task_id=first.id)
     marker = t.record.apply_async((f"{key}-after",))  # same queue, published after them
     assert marker.get(timeout=TIMEOUT_S) == 1
     host = stack.workers["crawl", pool]
-    wait_until(lambda: host.log().count(f"canvas.record[{first.id}] already finished") == 3,
-               TIMEOUT_S, what="three duplicates dropped")
+    wait_until(lambda: host.log().count(f"canvas.record[{first.id}] already finished") == 4,
+               TIMEOUT_S, what="four duplicates dropped")
     assert stack.list(f"runs:{key}") == [first.id]
+    t.record.apply_async((key,), task_id=first.id)  # a new publish
+    wait_until(lambda: len(stack.list(f"runs:{key}")) == 2, TIMEOUT_S, what="the new run")
+    assert stack.list(f"runs:{key}") == [first.id, first.id]
 
 
 @pytest.mark.parametrize(("mode", "pool"), COMBOS, ids=IDS)

@@ -196,11 +196,32 @@ def test_revoke_during_retry_records_revoked_at_once(stack: Stack, mode: str) ->
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_reused_id_in_a_second_canvas_completes_or_fails_it(stack: Stack, mode: str) -> None:
-    """One task id in two chords and a chain (a frozen signature used twice). Stock runs it
-    again for each; the plugins run it once and give each later canvas its recorded outcome:
+def test_a_reused_id_in_a_second_canvas_runs_again(stack: Stack, mode: str) -> None:
+    """One task id in two chords and a chain (a frozen signature used twice): each use is a
+    new publish, and it runs again for each, on stock and with the plugins alike."""
+    t = _t(mode)
+    key = uuid.uuid4().hex[:10]
+    reused = str(uuid.uuid4())
+    first = chord([t.record.si(key, 2).set(task_id=reused), t.add.si(2, 2)], t.tsum.s())
+    assert first.apply_async().get(timeout=TIMEOUT_S) == 6
+    second = chord([t.record.si(key, 3).set(task_id=reused), t.add.si(3, 3)], t.tsum.s())
+    assert second.apply_async().get(timeout=TIMEOUT_S) == 9, stack.log(mode)
+    in_chain = chain(t.record.si(key, 4).set(task_id=reused), t.add.s(10))
+    assert in_chain.apply_async().get(timeout=TIMEOUT_S) == 14, stack.log(mode)
+    assert len(stack.runs(key)) == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reused_id_from_an_unmarked_producer_completes_or_fails_the_canvas(
+        stack: Stack, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same from a producer that never called ``install`` (its messages carry no publish
+    id, so the plugins cannot tell a new publish from a copy and run a finished id once).
+    Stock runs it again for each; the plugins give each later canvas the recorded outcome:
     the chord and the chain complete with the same values, a failing one fails the second
     chord too and calls its errback."""
+    from celery_crawl import publishes
+
+    monkeypatch.setattr(publishes, "_marking", False)
     t = _t(mode)
     key, bad = uuid.uuid4().hex[:10], uuid.uuid4().hex[:10]
     reused = str(uuid.uuid4())
@@ -227,12 +248,22 @@ def test_a_reused_id_in_a_second_canvas_completes_or_fails_it(stack: Stack, mode
 
 @pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
 @pytest.mark.parametrize("mode", MODES)
-def test_one_failing_signature_in_a_header_then_in_a_body(stack: Stack, mode: str) -> None:
+def test_one_failing_signature_in_a_header_then_in_a_body(
+        stack: Stack, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Celery's ``test_mutable_errback_called_by_chord_from_group`` (and ``..._from_chain``):
     one frozen failing signature in a chord's header group, then in another chord's body group,
     then in the middle of a third chord's body chain, errbacks linked to each. Each later chord
-    fails too and calls its errback (with the plugins, from the first run's recorded FAILURE,
-    which also marks the rest of the chain FAILURE)."""
+    fails too and calls its errback. Published marked, the signature runs again in each (as on
+    stock); unmarked (a producer without ``install``), the plugins give each later chord the
+    first run's recorded FAILURE, which also marks the rest of the chain FAILURE."""
+    from celery_crawl import publishes
+
+    for marked in (True, False):
+        monkeypatch.setattr(publishes, "_marking", marked)
+        _one_failing_signature(stack, mode)
+
+
+def _one_failing_signature(stack: Stack, mode: str) -> None:
     t = _t(mode)
     key = uuid.uuid4().hex[:10]
     fail_sig = t.boom.s()
@@ -258,25 +289,21 @@ def test_one_failing_signature_in_a_header_then_in_a_body(stack: Stack, mode: st
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_frozen_chord_applied_again(stack: Stack, mode: str) -> None:
-    """Stock runs the whole frozen chord again; with the plugins its parts and body are
-    finished ids within ``crawl_done_ttl``: the second application returns the recorded
-    result without running them again (README, differences from stock; Celery's
-    ``test_reapplying_frozen_chord_dispatches_body_again`` fails by design)."""
+def test_a_frozen_chord_applied_again_runs_its_body_again(stack: Stack, mode: str) -> None:
+    """Celery's ``test_reapplying_frozen_chord_dispatches_body_again``: a frozen chord reuses
+    its ids, but each application is a new run; its header and body run again."""
     t = _t(mode)
-    key = uuid.uuid4().hex[:10]
-    c = chord([t.add.si(1, 1), t.add.si(2, 2)], t.tsum_record.s(key))
+    key, body_key = uuid.uuid4().hex[:10], uuid.uuid4().hex[:10]
+    c = chord([t.record.si(key, 1), t.record.si(key, 2)], t.tsum_record.s(body_key))
     c.freeze()
-    assert c.apply_async().get(timeout=TIMEOUT_S) == 6
+    assert c.apply_async().get(timeout=TIMEOUT_S) == 3
+    wait_until(lambda: len(stack.runs(body_key)) == 1, TIMEOUT_S, what="the first body")
     again = c.apply_async()
-    assert again.get(timeout=TIMEOUT_S) == 6, stack.log(mode)
-    marker = t.add.apply_async((5, 5))
-    assert marker.get(timeout=TIMEOUT_S) == 10
-    if mode == "crawl":
-        assert len(stack.runs(key)) == 1
-    # Stock usually runs the body a second time (Celery's own test expects it), but not
-    # always: its chord dispatch claim can leave the second application's body unsent, so
-    # that count is not asserted here.
+    assert again.get(timeout=TIMEOUT_S) == 3, stack.log(mode)
+    wait_until(lambda: len(stack.runs(body_key)) == 2, TIMEOUT_S,
+               what=f"the body's second run ({stack.log(mode)})")
+    assert len(stack.runs(key)) == 4
+    assert len(stack.runs(body_key)) == 2
 
 
 @pytest.mark.parametrize("mode", MODES)

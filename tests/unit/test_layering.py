@@ -17,7 +17,8 @@ PACKAGE = Path(celery_crawl.__file__).parent
 
 _BASE = {"errors", "durations", "_urls"}
 _CORE = _BASE | {"config", "keys", "metrics"}
-_SERVICES = _CORE | {"leases", "clock", "cliapp", "_broker", "_finishing", "_issued", "_canvas"}
+_SERVICES = _CORE | {"leases", "clock", "cliapp", "_broker", "_finishing", "_issued", "_canvas",
+                        "publishes"}
 
 #: part -> the parts it may import ("part" = first name below ``celery_crawl``; the package's
 #: own ``__init__`` is ``(root)``). Lower layers never import higher ones.
@@ -30,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "_finishing": set(),
     "_issued": set(),
     "_canvas": set(),
+    "publishes": set(),
     "keys": set(),
     "metrics": {"errors"},
     "config": _BASE,

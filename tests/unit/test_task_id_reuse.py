@@ -57,3 +57,62 @@ def test_only_a_tombstone_that_hands_the_id_on_computes_and_carries_the_digest()
     _, _, value = claimer.end_item(held, "done", False)
     assert value["digest"] == "d1" and hashed == [1]
     assert held.digest_now() == "d1" and hashed == [1]  # once
+
+
+def test_a_new_publish_of_a_finished_id_runs_and_a_copy_of_a_recorded_one_does_not() -> None:
+    from celery_crawl.worker.claims import is_new_publish
+
+    done = {"handoff": False, "sent": ["p1", "p2"]}
+    assert is_new_publish(done, "p3")  # a frozen signature applied again
+    assert not is_new_publish(done, "p1")  # a redelivery of a publish that ran
+    assert not is_new_publish(done, "p2")
+    assert not is_new_publish(done, "")  # an unmarked message: the stricter rule
+    # A tombstone written before publish ids were recorded, or a foreign one, is final.
+    assert not is_new_publish({"state": "done"}, "p3")
+    assert not is_new_publish({"sent": "p1"}, "p3")
+
+
+def test_the_tombstone_remembers_the_newest_publishes() -> None:
+    from celery_crawl.worker.claims import MAX_PUBLISHES, Claimer, Held
+
+    claimer = Claimer(None, lambda: None, max_deliveries=3, done_ttl_s=60.0)  # type: ignore[arg-type]
+    before = tuple(f"p{i}" for i in range(MAX_PUBLISHES))
+    held = Held(task_id="t", delivery_tag="x", queue="q", deliveries=1, token=5, sent="new",
+                sent_before=before)
+    _, _, value = claimer.end_item(held, "done", False)
+    assert value["sent"] == [*before[1:], "new"]
+    unmarked = Held(task_id="t", delivery_tag="x", queue="q", deliveries=1, token=5)
+    assert claimer.end_item(unmarked, "done", False)[2]["sent"] == []
+
+
+def test_decisions_on_a_store_follow_the_publish_rule() -> None:
+    """Against the memory store: the first publish runs, its redelivery is a duplicate, a new
+    publish runs and its end records both, after which neither runs again."""
+    import uuid
+
+    from celery_crawl.leases.memory import MemoryLeaseStore
+    from celery_crawl.worker.claims import Claimer, Held, Outcome
+
+    store = MemoryLeaseStore(f"memory://reuse-{uuid.uuid4().hex[:8]}", namespace="r")
+    lease = store.acquire("worker:w", 30.0, "w")
+    assert lease is not None
+    claimer = Claimer(store, lambda: lease, max_deliveries=5, done_ttl_s=60.0, worker="w")
+
+    def deliver(sent: str, tag: int) -> tuple[Outcome, Held]:
+        held = Held(task_id="t", delivery_tag=tag, queue="q", deliveries=0, sent=sent)
+        decision = claimer.decide("t", delivery_tag=tag, queue="q", sent=sent)
+        held.token, held.lease_name, held.holder = decision.token, lease.name, lease.holder
+        held.sent_before = decision.sent_before
+        return decision.outcome, held
+
+    outcome, first = deliver("p1", 1)
+    assert outcome is Outcome.RUN
+    claimer.finish(first, state="done")
+    assert deliver("p1", 1)[0] is Outcome.DUPLICATE
+    assert deliver("", 2)[0] is Outcome.DUPLICATE
+    outcome, second = deliver("p2", 3)
+    assert outcome is Outcome.RUN and second.sent_before == ("p1",)
+    claimer.finish(second, state="done")
+    assert deliver("p1", 1)[0] is Outcome.DUPLICATE  # a late copy of the first publish
+    assert deliver("p2", 3)[0] is Outcome.DUPLICATE
+    store.close()
