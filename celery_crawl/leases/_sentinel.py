@@ -19,8 +19,11 @@ Sentinel does not demote the old master at once: after ``SENTINEL FAILOVER``, or
 master comes back, it keeps answering as a master (accepting writes that the new master never
 gets) until a sentinel reconfigures it, seconds later. Connections made before the switch would
 keep writing there, so the link asks the sentinels for the master's address again at most every
-``recheck_s`` (one round trip to one sentinel, before a call), and when it moved, drops every
-connection of the old one: a store follows a switch within about a second.
+``recheck_s`` (one round trip to one sentinel, before a call), and at once before the next call
+after a new connection found the master moved, and drops every connection of the store's
+client open to another address: a store follows a switch within about a second, and a
+connection opened before a pause of the master and idle through it (a batch lane) does not
+write to it when it comes back.
 """
 
 from __future__ import annotations
