@@ -340,6 +340,15 @@ def pool_connection(pool: Any) -> Any:
     return pool.get_connection("_")
 
 
+def pool_connections(pool: Any) -> list[Any]:
+    """Every connection a redis-py pool made and still holds, idle or taken (its private
+    ``_available_connections`` and ``_in_use_connections``), as a list taken under its lock."""
+    lock = getattr(pool, "_lock", None)
+    with lock if lock is not None else contextlib.nullcontext():
+        return [*getattr(pool, "_available_connections", ()),
+                *getattr(pool, "_in_use_connections", ())]
+
+
 def redis_socket(conn: Any) -> Any:
     """The socket of a connected redis-py connection (None when it has none): a loop that
     reads the replies of commands sent without waiting watches it for readability."""

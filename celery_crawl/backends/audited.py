@@ -47,10 +47,11 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import cached_property
 from importlib import resources
 from json.encoder import encode_basestring_ascii as _json_str
@@ -120,6 +121,50 @@ REFUSED_ATTR = "crawl_refused"
 GUARD_ATTR = "crawl_idem_guard"
 #: Request attribute naming the task id a run marked finished (``_finishing.mark``) itself.
 MARKED_ATTR = "crawl_finish_marked"
+
+
+#: The TLS options of ``redis_backend_use_ssl`` (Celery's, as for ``broker_use_ssl``) and of
+#: ``sentinel_kwargs``, as redis-py names them.
+TLS_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path",
+               "ssl_ca_data", "ssl_keyfile_password", "ssl_check_hostname", "ssl_password",
+               "ssl_min_version", "ssl_ciphers")
+_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
+              "none": ssl.CERT_NONE, "cert_required": ssl.CERT_REQUIRED,
+              "cert_optional": ssl.CERT_OPTIONAL, "cert_none": ssl.CERT_NONE}
+
+
+def check_tls_options(value: Any, setting: str, *, extra: tuple[str, ...] = (),
+                      require_cert_reqs: bool = True) -> None:
+    """Refuse a TLS setting Celery or redis-py would trip on later with a message naming
+    neither it nor the option: ``value`` must be a dict (or None/empty) of known options
+    (``TLS_OPTIONS`` and ``extra``) with ``ssl_cert_reqs`` one of required/optional/none (or
+    the ``ssl`` module's constants), given when ``require_cert_reqs``; the files it names
+    must be readable.
+
+    Raises:
+        ConfigError: naming ``setting`` and what is wrong.
+    """
+    if value is None or value == {}:
+        return
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{setting}: must be a dict of TLS options ({', '.join(TLS_OPTIONS[:4])}"
+                          f"), got {type(value).__name__}")
+    unknown = sorted(str(k) for k in value if k not in (*TLS_OPTIONS, *extra))
+    if unknown:
+        raise ConfigError(f"{setting}: unknown option(s) {', '.join(map(repr, unknown))} (known: "
+                          f"{', '.join((*TLS_OPTIONS, *extra))})")
+    reqs = value.get("ssl_cert_reqs")
+    if reqs is None:
+        if require_cert_reqs:
+            raise ConfigError(f"{setting}: ssl_cert_reqs is required (required, optional or "
+                              f"none; required verifies the server's certificate)")
+    elif not (isinstance(reqs, ssl.VerifyMode) or str(reqs).lower() in _CERT_REQS):
+        raise ConfigError(f"{setting}: ssl_cert_reqs must be required, optional or none (or "
+                          f"ssl.CERT_*), got {reqs!r}")
+    for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        path = value.get(key)
+        if path and not os.access(str(path), os.R_OK):
+            raise ConfigError(f"{setting}: {key} {str(path)!r} is not a readable file")
 
 
 class WriteGuard(Protocol):
@@ -325,6 +370,7 @@ class AuditedRedisBackend(RedisBackend):
                     "result_compression: not supported by AuditedRedisBackend; results are "
                     "stored as JSON text so that `celery crawl audit` can read them"
                 )
+            check_tls_options(conf.get("redis_backend_use_ssl"), "redis_backend_use_ssl")
         super().__init__(*args, **kwargs)
         self.crawl_config = CrawlConfig.from_app(self.app)
         options = self.app.conf.get("result_backend_transport_options") or {}

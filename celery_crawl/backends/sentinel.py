@@ -16,11 +16,16 @@ Two URL forms (``result_backend``)::
 (``crawlsentinel://`` is the same backend by its own name.) The first form is the lease store's
 ``redis+sentinel://`` grammar, so one URL serves both; its ``sentinel_password`` and
 ``sentinel_username`` options join the transport options' ``sentinel_kwargs``. TLS to the data
-nodes is Celery's ``redis_backend_use_ssl``.
+nodes is Celery's ``redis_backend_use_ssl`` and TLS to the sentinels the ``ssl`` and TLS options
+of ``result_backend_transport_options["sentinel_kwargs"]``, as for Celery's ``SentinelBackend``;
+a setting that is not a dict, names an unknown option or an unreadable file is a
+``ConfigError`` naming it.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -30,7 +35,7 @@ from celery.backends.redis import SentinelBackend
 from .._urls import masked_url as mask_url
 from ..errors import ConfigError
 from ..leases._sentinel import is_sentinel_url, parse_sentinel_url
-from .audited import AuditedRedisBackend
+from .audited import TLS_OPTIONS, AuditedRedisBackend, check_tls_options
 
 __all__ = ["AuditedSentinelBackend", "sentinel_identity"]
 
@@ -67,6 +72,7 @@ class AuditedSentinelBackend(AuditedRedisBackend, SentinelBackend):
     crawl_sentinel_kwargs: dict[str, Any] = {}
 
     def _params_from_url(self, url: str, defaults: dict[str, Any]) -> dict[str, Any]:
+        _checked_sentinel_kwargs(self._options().get("sentinel_kwargs"))  # at start-up
         scheme, sep, rest = url.partition("://")
         if scheme in ("crawlsentinel", "crawlredis+sentinel"):
             url = f"sentinel{sep}{rest}"
@@ -115,7 +121,8 @@ class AuditedSentinelBackend(AuditedRedisBackend, SentinelBackend):
         URL's sentinel options added."""
         options = self._options()
         hosts = params.pop("hosts")
-        sentinel_kwargs = {**self.crawl_sentinel_kwargs, **(options.get("sentinel_kwargs") or {})}
+        sentinel_kwargs = {**self.crawl_sentinel_kwargs,
+                           **_checked_sentinel_kwargs(options.get("sentinel_kwargs"))}
         manager = redis.sentinel.Sentinel(
             [(h["host"], h["port"]) for h in hosts],
             min_other_sentinels=options.get("min_other_sentinels", 0),
@@ -133,6 +140,33 @@ class AuditedSentinelBackend(AuditedRedisBackend, SentinelBackend):
                           for h in self.connparams.get("hosts", ()))
         here = (self._master_name(), int(self.connparams.get("db") or 0))
         return (lease[1], lease[2]) == here and bool(lease[0] & hosts)
+
+
+_SENTINEL_KWARGS = 'result_backend_transport_options["sentinel_kwargs"]'
+
+
+def _checked_sentinel_kwargs(value: Any) -> dict[str, Any]:
+    """The transport options' ``sentinel_kwargs`` (the sentinels' connection arguments, as
+    Celery's ``SentinelBackend`` takes them: credentials, timeouts, ``ssl`` and the TLS options
+    of ``redis_backend_use_ssl``), refused with a ``ConfigError`` naming the setting when not a
+    dict of ``redis.Redis`` arguments or with bad TLS options."""
+    if not value:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{_SENTINEL_KWARGS}: must be a dict of the sentinels' connection "
+                          f"arguments, got {type(value).__name__}")
+    accepted = set(inspect.signature(redis.Redis.__init__).parameters) - {"self"}
+    unknown = sorted(str(k) for k in value if k not in accepted)
+    if unknown:
+        raise ConfigError(f"{_SENTINEL_KWARGS}: unknown argument(s) "
+                          f"{', '.join(map(repr, unknown))} (redis.Redis arguments: username, "
+                          f"password, ssl, {', '.join(TLS_OPTIONS[:4])}, socket_timeout, ...)")
+    tls = {k: v for k, v in value.items() if k in TLS_OPTIONS}
+    if tls and not value.get("ssl"):
+        raise ConfigError(f"{_SENTINEL_KWARGS}: {', '.join(sorted(tls))} given without "
+                          f"ssl=True (TLS to the sentinels)")
+    check_tls_options(tls, _SENTINEL_KWARGS, require_cert_reqs=False)
+    return dict(value)
 
 
 def _names_master(url: str) -> bool:

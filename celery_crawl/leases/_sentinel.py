@@ -19,8 +19,11 @@ Sentinel does not demote the old master at once: after ``SENTINEL FAILOVER``, or
 master comes back, it keeps answering as a master (accepting writes that the new master never
 gets) until a sentinel reconfigures it, seconds later. Connections made before the switch would
 keep writing there, so the link asks the sentinels for the master's address again at most every
-``recheck_s`` (one round trip to one sentinel, before a call), and when it moved, drops every
-connection of the old one: a store follows a switch within about a second.
+``recheck_s`` (one round trip to one sentinel, before a call), and at once before the next call
+after a new connection found the master moved, and drops every connection of the store's
+client open to another address: a store follows a switch within about a second, and a
+connection opened before a pause of the master and idle through it (a batch lane) does not
+write to it when it comes back.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from redis.sentinel import (
     SentinelManagedSSLConnection,
 )
 
+from .._celery_compat import pool_connections, redis_socket
 from .._urls import endpoint, split_credentials
 from .._urls import masked_url as mask_url
 from ..errors import ConfigError
@@ -182,6 +186,8 @@ class SentinelLink:
         #: Seconds between two checks of the master's address (``recheck``).
         self.recheck_s = RECHECK_S
         self._checked = 0.0
+        #: A connection found the master moved: the next recheck is due at once.
+        self._sweep = False
         sentinel_kwargs = {
             **{k: v for k, v in spec.sentinel.items() if v is not None},
             "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
@@ -221,6 +227,10 @@ class SentinelLink:
             if before is None or before == address:
                 return
             self.master_changes += 1
+            # The next call's recheck looks at every connection now, whenever the last was:
+            # this move was seen by one new connection, and the others may still be open to
+            # the old master (a batch lane idle through a pause, for one).
+            self._sweep = True
         log.warning("%s: master %r moved from %s:%s to %s:%s (failover)", self.url,
                     self.master_name, *before, *address)
         if self.on_master_change is not None:
@@ -245,19 +255,29 @@ class SentinelLink:
         return False
 
     def recheck(self) -> None:
-        """Ask the sentinels where the master is, at most every ``recheck_s``; when it moved,
-        drop every connection (pooled or taken) to the old one, so none writes there again.
-        A sentinel that does not answer leaves it to the calls' own errors."""
+        """Ask the sentinels where the master is, at most every ``recheck_s`` (at once after a
+        connection found it moved); drop every connection of the store's client (pooled or
+        taken) open to another address, so none writes to an old master again. A sentinel that
+        does not answer leaves it to the calls' own errors."""
         now = time.monotonic()
-        if now - self._checked < self.recheck_s or self.master is None:
+        if not self._sweep and (now - self._checked < self.recheck_s or self.master is None):
             return
-        self._checked = now
+        swept, self._checked, self._sweep = self._sweep, now, False
         try:
             host, port = self._sentinel.discover_master(self.master_name)
         except (redis_lib.RedisError, OSError):
+            self._sweep = swept
             return
-        if (str(host), int(port)) != self.master:
-            self.client.connection_pool.disconnect()
+        where = (str(host), int(port))
+        for conn in pool_connections(self.client.connection_pool):
+            # Compared with each connection's own address, not with the last one seen: a
+            # connection made after the move already told ``_saw`` of it while one made
+            # before it (idle through a pause, say) is still open to the old master, which
+            # answers as a master until Sentinel demotes it.
+            if redis_socket(conn) is not None and (
+                    str(getattr(conn, "host", "")), int(getattr(conn, "port", 0) or 0)) != where:
+                with contextlib.suppress(Exception):
+                    conn.disconnect()
 
     def call(self, fn: Callable[[], _R], *, retry: Callable[[BaseException], bool],
              timeout_s: float | None = None) -> _R:

@@ -259,3 +259,59 @@ def test_passwords_of_the_data_nodes_and_of_the_sentinels() -> None:
                 assert "wrong" not in text and "d4ta-pw" not in text and "s3nt-pw" not in text
             finally:
                 bad.close()
+
+
+def test_paused_master_no_connection_of_the_store_stays_on_it() -> None:
+    """SIGSTOP of the master past ``down-after-milliseconds``, SIGCONT after the failover: the
+    old master answers as a master again until Sentinel demotes it (seconds later). A connection
+    the store made to it before the pause and did not use during it (a batch lane: the worker
+    sends no batch while its broker is paused too) must not carry a write there afterwards,
+    even when the store learnt of the move from a new connection of its own rather than from
+    its recheck of the address; and no call waits longer than the store timeout."""
+    timeout_s = 1.0
+    with running_sentinels(replicas=1) as topology:
+        old = topology.wait_settled()
+        store = open_store(topology.url(), namespace=NS, timeout_s=timeout_s)
+        assert isinstance(store, RedisLeaseStore)
+        link = store.sentinel_link
+        assert link is not None
+        # Only a move the store sees itself may trigger the check of its connections.
+        link.recheck_s = 3600
+        try:
+            lease = store.acquire(keys.worker_lease("paused"), 30.0, "w")
+            assert lease is not None
+            # A batch: its lane's connection to the master stays open, idle.
+            assert store.finish_claims(lease, [("c0", "r0", {"n": 0})], ttl_s=30) == [False]
+            node = topology.master()
+            topology.pause(node)
+            slowest = 0.0
+
+            def renewed() -> bool:
+                nonlocal lease, slowest
+                t0 = time.monotonic()
+                try:
+                    lease = store.renew(lease)
+                    return link.master != ("127.0.0.1", old)
+                except StoreError:
+                    return False
+                finally:
+                    slowest = max(slowest, time.monotonic() - t0)
+
+            wait_until(renewed, 30, interval_s=0.05, what="a renewal on the new master")
+            new = link.master[1] if link.master else None
+            assert new is not None and new != old
+            topology.resume(node)
+            # The old master answers again, as a master (Sentinel demotes it later).
+            wait_until(lambda: node.client().ping(), 10, what="the old master answering")
+            if node.client().info("replication")["role"] != "master":
+                pytest.skip("the old master was demoted before the check (a slow machine)")
+            t0 = time.monotonic()
+            got = store.finish_claims(lease, [("c1", "r1", {"n": 1})], ttl_s=30)
+            slowest = max(slowest, time.monotonic() - t0)
+            assert got == [False]
+            rec = f"{NS}:rec:r1"
+            assert topology.node(new).client().exists(rec), "the batch reached the new master"
+            assert not node.client().exists(rec), "a write reached the old master"
+            assert slowest < timeout_s * 1.5 + 0.5, f"a call took {slowest:.2f}s"
+        finally:
+            store.close()

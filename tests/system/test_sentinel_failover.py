@@ -13,8 +13,8 @@ The soak's injector runs the Sentinel fault kinds once each, in a seeded order:
     master comes back as a master and is demoted by Sentinel seconds later).
 
 After each, the fleet goes on within one lease TTL of the sentinels naming the new master
-(plus the master recheck, the reaper's orphan grace and a beat tick: ``SLACK_S``; for (c) plus
-Sentinel's demotion of the old master, see ``DEMOTION_S``); leader tokens never go back (the soak's
+(plus the master recheck, the reaper's orphan grace and a beat tick: ``SLACK_S``), the same
+bound for each kind; leader tokens never go back (the soak's
 monitor); and the soak's ledger holds: every slot due in the window ran once or is recorded
 skipped with a reason, no slot ran twice at once, nothing is unaccounted — except what a
 failover's asynchronous replication lost (a run whose finish only the old master acknowledged,
@@ -47,16 +47,13 @@ TTL_S = 3.0
 #: it hands a dead lease's runs back (store timeout + 0.5 s, stretched by drift), its interval
 #: (TTL / 3) and a beat tick. Measured at most 6.2 s after the new master in five runs.
 SLACK_S = 5.0
-#: (a) and (b): the worker and the beat make their broker connection anew as soon as their
-#: lease store sees the master move (``_broker.sentinel_master``), so kombu does not stay on the
-#: old master until Sentinel demotes it. (c): the old master, paused and back, is a master again
-#: until Sentinel demotes it (its next INFO of the node, then ``SENTINEL_PUBLISH_PERIOD * 4`` of
-#: it reporting the wrong role: up to about 20 s), and a store call made on a connection to it
-#: before the pause waits for that demotion (docs/durability.md, measured 10 s).
-DEMOTION_S = 20.0
-BOUND_S = {"sentinel_master_kill": TTL_S + SLACK_S,
-           "sentinel_failover": TTL_S + SLACK_S,
-           "sentinel_master_stop": TTL_S + SLACK_S + DEMOTION_S}
+#: The same bound for the three kinds: the worker and the beat make their broker connection
+#: anew as soon as their lease store sees the master move (``_broker.sentinel_master``), so
+#: kombu does not stay on the old master until Sentinel demotes it; and the store drops each of
+#: its connections still open to the old master at its next call after the move, however it
+#: learnt of it, so none (a batch lane idle through a pause, for one) writes to the old master
+#: when it comes back from a pause and answers as a master until Sentinel demotes it.
+BOUND_S = TTL_S + SLACK_S
 
 
 @pytest.mark.timeout(300)
@@ -90,8 +87,8 @@ def test_fleet_goes_on_through_each_kind_of_sentinel_failover(
             ("not every kind injected", set(summary.faults) != set(SENTINEL_FAULT_KINDS)),
             ("a kind without a measured recovery", set(by_kind) != set(SENTINEL_FAULT_KINDS)),
             ("a worker did not say claims do not ride", len(told) < 2),
-            ("the fleet did not go on within a TTL (+ the old master's demotion, for c)",
-             any(s > BOUND_S[k] for k, s in by_kind.items())),
+            ("the fleet did not go on within a TTL (+ slack) of the new master",
+             any(s > BOUND_S for s in by_kind.values())),
             ("leader tokens went back or a skewed replica led", bool(violations)),
             ("no slot due or a beat exited", summary.due == 0 or summary.beat_exits != 0),
             ("two runs of a slot at once", bool(summary.concurrent_duplicates)),
