@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery_crawl.worker.claims import is_successor, message_digest
+from celery_crawl.worker.claims import Arrival, is_successor, message_digest
 
 
 def test_a_redelivery_has_the_digest_of_the_message_and_any_other_message_another() -> None:
@@ -49,11 +49,11 @@ def test_only_a_tombstone_that_hands_the_id_on_computes_and_carries_the_digest()
         return "d1"
 
     claimer = Claimer(None, lambda: None, max_deliveries=3, done_ttl_s=60.0)  # type: ignore[arg-type]
-    held = Held(task_id="t", delivery_tag="x", queue="q", deliveries=1, token=5,
-                digest_source=source)
+    held = Held(Arrival(task_id="t", delivery_tag="x", queue="q", digest_source=source),
+                deliveries=1, token=5)
     _, _, value = claimer.end_item(held, "done", False)
     assert value["digest"] == "" and value["handoff"] is False and hashed == []
     held.handoff = True
     _, _, value = claimer.end_item(held, "done", False)
     assert value["digest"] == "d1" and hashed == [1]
-    assert held.digest_now() == "d1" and hashed == [1]  # once
+    assert held.arrival.digest_now() == "d1" and hashed == [1]  # once

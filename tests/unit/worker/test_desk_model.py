@@ -45,7 +45,7 @@ from celery_crawl.leases import memory
 from celery_crawl.leases.base import Lease
 from celery_crawl.leases.memory import MemoryLeaseStore
 from celery_crawl.worker.backlog import Backlog
-from celery_crawl.worker.claims import ClaimBook, Claimer, Decision, Held, Outcome
+from celery_crawl.worker.claims import Arrival, ClaimBook, Claimer, Decision, Held, Outcome
 from celery_crawl.worker.desk import Desk
 
 TTL_S = 9.0
@@ -68,7 +68,7 @@ class OldClaimer(Claimer):
         lease = self._lease()
         record = self._end_record(held, state, requeue)
         if lease is not None and lease.name == held.lease_name:
-            self.store.finish_claim(lease, keys.task_claim(held.task_id), *record,
+            self.store.finish_claim(lease, keys.task_claim(held.arrival.task_id), *record,
                                     ttl_s=self.done_ttl_s)
             return
         super().finish(held, state=state, requeue=requeue)
@@ -151,9 +151,9 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
             return worker if worker.alive else None
 
         def _held(self, delivery: Delivery) -> Held:
-            return Held(task_id=delivery.task_id, delivery_tag=delivery.tag, queue="q",
-                        deliveries=0, digest=delivery.digest, message=delivery,
-                        generation=delivery.gen, retries=delivery.gen[1])
+            return Held(Arrival(task_id=delivery.task_id, delivery_tag=delivery.tag, queue="q",
+                                digest=delivery.digest, message=delivery,
+                                generation=delivery.gen, retries=delivery.gen[1]))
 
         def _apply(self, worker: Worker, held: Held, decision: Decision,
                    under: Lease | None) -> None:
@@ -165,25 +165,26 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
                 desk.parked(held, decision)
             elif decision.outcome is Outcome.DUPLICATE:
                 desk.book.pop(held)
-                self._settle(held.message, requeue=False)
+                self._settle(held.arrival.message, requeue=False)
             else:
                 desk.book.pop(held)
-                self._settle(held.message, requeue=True)
+                self._settle(held.arrival.message, requeue=True)
 
         def _start(self, worker: Worker, held: Held) -> None:
-            task_id = held.task_id
+            task_id = held.arrival.task_id
             if self.active.get(task_id):
                 self.violations.append(f"{task_id} runs on {self.active[task_id]} and "
                                        f"{worker.name} at once")
             if task_id not in self.lost_ends and (
-                    task_id in self.finished or (task_id, held.digest) in self.done_messages):
+                    task_id in self.finished
+                    or (task_id, held.arrival.digest) in self.done_messages):
                 self.violations.append(f"{task_id} ran again after it finished")
             self.active.setdefault(task_id, []).append(worker.name)
             worker.running.append(held)
 
         def _stop(self, worker: Worker, held: Held) -> None:
             worker.running.remove(held)
-            self.active[held.task_id].remove(worker.name)
+            self.active[held.arrival.task_id].remove(worker.name)
 
         def _settle(self, delivery: Delivery, *, requeue: bool) -> None:
             if delivery in self.unacked:
@@ -223,8 +224,8 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
             if worker is None or held is None or worker.lease is None:
                 return
             lease = worker.lease
-            worker.desk.claimer.decide(held.task_id, delivery_tag=held.delivery_tag,
-                                       queue="q", digest=held.digest, under=lease)
+            worker.desk.claimer.decide(held.arrival.task_id, delivery_tag=held.arrival.delivery_tag,
+                                       queue="q", digest=held.arrival.digest, under=lease)
             if drop_fails:
                 worker.desk.parked(held, Decision(Outcome.PARK, holder=None))
                 return
@@ -271,18 +272,18 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
             if worker is None or not worker.running:
                 return
             held = worker.running[pick % len(worker.running)]
-            gen = (held.generation[0], held.generation[1] + 1)
-            self.queue.append(Delivery(held.task_id, next(self.tags),
-                                       f"d-{held.task_id}-r{next(self.retries)}", gen=gen))
+            gen = (held.arrival.generation[0], held.arrival.generation[1] + 1)
+            self.queue.append(Delivery(held.arrival.task_id, next(self.tags),
+                                       f"d-{held.arrival.task_id}-r{next(self.retries)}", gen=gen))
             held.handoff = True
             self._end(worker, held, False, reply)
 
         def _end(self, worker: Worker, held: Held, requeue: bool, reply: str) -> None:
             self._stop(worker, held)
             if not requeue:
-                self.done_messages.add((held.task_id, held.digest))
+                self.done_messages.add((held.arrival.task_id, held.arrival.digest))
                 if not held.handoff:
-                    self.finished.add(held.task_id)
+                    self.finished.add(held.arrival.task_id)
             desk = worker.desk
             state = "rejected" if requeue else "done"
             if desk.ending(held):
@@ -298,7 +299,7 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
                             desk.recorded(held)
                         else:
                             desk.failed(held, state, requeue)
-            self._settle(held.message, requeue=requeue)
+            self._settle(held.arrival.message, requeue=requeue)
 
         @precondition(lambda self: any(h.parked for w in self.workers
                                        for h in w.desk.book.snapshot()))
@@ -331,12 +332,12 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
             # An end still waiting in the backlog is not durable: the claim it would have
             # ended is orphaned now, and a copy elsewhere may take it over (at least once).
             for held, _, _ in worker.desk.backlog._pending:
-                self.lost_ends.add(held.task_id)
+                self.lost_ends.add(held.arrival.task_id)
             for held in worker.desk.book.take_not_of(None):
                 if held in worker.running:
                     self._stop(worker, held)
                 if held.parked:
-                    self._settle(held.message, requeue=True)
+                    self._settle(held.arrival.message, requeue=True)
 
         @precondition(lambda self: any(w.lease is None for w in self.workers))
         @rule(i=WORKER)
@@ -352,7 +353,7 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
             die with it."""
             worker = self.workers[i]
             for held, _, _ in worker.desk.backlog._pending:
-                self.lost_ends.add(held.task_id)
+                self.lost_ends.add(held.arrival.task_id)
             for held in list(worker.running):
                 self._stop(worker, held)
             if worker.lease is not None:
@@ -387,9 +388,9 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
                 if worker.lease is None:
                     continue
                 for held in worker.running:
-                    current = worker.store.claimant(keys.task_claim(held.task_id))
+                    current = worker.store.claimant(keys.task_claim(held.arrival.task_id))
                     assert current is not None and current.token == held.token, (
-                        f"{held.task_id} runs on {worker.name} without its claim "
+                        f"{held.arrival.task_id} runs on {worker.name} without its claim "
                         f"{held.token} (the store has {current and current.token})")
 
         @invariant()
@@ -409,7 +410,7 @@ def model(book_cls: type[ClaimBook] = ClaimBook,
                 assert owner, f"{task_id}: a live claim of no worker's lease"
                 book = owner[0].desk.book
                 assert book.has_token(claim.token) or any(
-                    h.parked and h.task_id == task_id for h in book.snapshot()), (
+                    h.parked and h.arrival.task_id == task_id for h in book.snapshot()), (
                     f"{task_id}: claim {claim.token} of {owner[0].name} is carried by no run")
 
     return DeskModel
