@@ -221,10 +221,20 @@ class Desk:
         return ours
 
     def drain_backlog(self) -> None:
-        """Record the ends that could not be recorded when they happened (keeper hook)."""
+        """Record the ends that could not be recorded when they happened (keeper hook).
+
+        An end waits here when its outcome is unknown: the store may have executed it (its
+        reply was lost) and a later run of the task may have claimed, run and ended since,
+        writing a newer tombstone. Writing this end's record again would put the older one
+        back (a tombstone that hands the id on to an older generation: a copy of the later
+        run's message would run again). So it is written only while the claim still carries
+        this run's token, which no later run can take from it: otherwise the end was
+        executed, or the claim went to the reaper with its lease (at least once)."""
 
         def record(held: Held, *, state: str, requeue: bool) -> None:
-            self.claimer.finish(held, state=state, requeue=requeue)
+            current = self.store.claimant(keys.task_claim(held.arrival.task_id))
+            if current is not None and current.token == held.token:
+                self.claimer.finish(held, state=state, requeue=requeue)
             self.recorded(held)
 
         self.backlog.drain(record)
