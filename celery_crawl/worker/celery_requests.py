@@ -22,7 +22,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from .. import _celery_compat as compat
 from ..publishes import SENT_HEADER
 from . import replay
-from .claims import Held, lenient_int, message_digest
+from .claims import Arrival, Held, lenient_int, message_digest
 from .context import CLAIM_HEADER
 from .delivery import Delivery
 from .unforged import strip_claim_token
@@ -73,14 +73,14 @@ def held_for(message: Any, task_name: str) -> Held:
     strip(message)
     info = message.delivery_info or {}
     retries = lenient_int(headers.get("retries"))
-    return Held(
+    return Held(Arrival(
         task_id=str(headers["id"]), delivery_tag=message.delivery_tag,
-        queue=info.get("routing_key"), deliveries=0, retries=retries,
+        queue=info.get("routing_key"), retries=retries,
         generation=(lenient_int(headers.get("replaced_task_nesting")), retries),
         digest_source=functools.partial(_digest_of, message), message=message,
         task_name=task_name, exchange=info.get("exchange"),
         routing_key=info.get("routing_key"), sent=str(headers.get(SENT_HEADER) or ""),
-    )
+    ))
 
 
 def held_or_none(message: Any, task_name: str) -> Held | None:
@@ -96,7 +96,7 @@ def run(held: Held, end: Callable[[Held, str, bool, Settle], Any],
     """Run ``held``'s strategy under its claim; each ack/reject of the run goes to ``end``
     (which records the end, then settles). ``refused``: Celery refused the message itself."""
     delivery = delivery_of(held)
-    held.message.headers[CLAIM_HEADER] = held.token
+    held.arrival.message.headers[CLAIM_HEADER] = held.token
 
     def on_ack(*args: Any, **kw: Any) -> Any:
         if held.fenced:
@@ -110,8 +110,8 @@ def run(held: Held, end: Callable[[Held, str, bool, Settle], Any],
         return end(held, "rejected", requeue, _settler(held, delivery.reject, args, kw))
 
     try:
-        delivery.strategy(held.message, delivery.body, on_ack, on_reject, delivery.callbacks,
-                          **delivery.kwargs)
+        delivery.strategy(held.arrival.message, delivery.body, on_ack, on_reject,
+                          delivery.callbacks, **delivery.kwargs)
     except BaseException:
         # Celery refuses the message itself (undecodable body, content type not accepted,
         # invalid task): it rejects it outside our callbacks, so the claim goes here.
@@ -125,9 +125,9 @@ def apply_or_refuse(consumer: Any, held: Held, apply: Callable[[], None]) -> Non
     try:
         apply()
     except (InvalidTaskError, ContentDisallowed) as exc:
-        consumer.on_invalid_task(None, held.message, exc)
+        consumer.on_invalid_task(None, held.arrival.message, exc)
     except DecodeError as exc:
-        consumer.on_decode_error(held.message, exc)
+        consumer.on_decode_error(held.arrival.message, exc)
 
 
 def ack(held: Held, consumer: Any) -> None:
@@ -140,7 +140,9 @@ def ack_dropped(app: Any, held: Held, hostname: str, ack: Settle,
                 offload: Callable[[Callable[[], Callable[[], Any] | None]], None] | None) -> None:
     """Ack a delivery dropped as a duplicate of a finished run, after its canvas (when it is
     another one than the finished run's) got that run's recorded outcome (``replay.py``)."""
-    replay.then_ack(app, held.task_name, held.task_id, held.message, hostname, ack, offload)
+    arrival = held.arrival
+    replay.then_ack(app, arrival.task_name, arrival.task_id, arrival.message, hostname, ack,
+                    offload)
 
 
 def settle_unless_fenced(held: Held, settle: Settle) -> None:
@@ -151,8 +153,8 @@ def settle_unless_fenced(held: Held, settle: Settle) -> None:
 
 def will_run(held: Held, pool_name: str) -> bool:
     """Whether Celery still runs ``held`` (active, or queued in a pool that will run it)."""
-    req = worker_state.requests.get(held.task_id)
-    if req is None or compat.request_message(req) is not held.message:
+    req = worker_state.requests.get(held.arrival.task_id)
+    if req is None or compat.request_message(req) is not held.arrival.message:
         return False
     if req in worker_state.active_requests or req.time_start:
         return True
@@ -164,8 +166,8 @@ def will_run(held: Held, pool_name: str) -> bool:
 
 def cancel_request(held: Held, *, pool: Any, pool_name: str, timer: Any) -> int:
     """Cancel ``held``'s request (a lease loss): 1 if it will not run or was killed."""
-    req = worker_state.requests.get(held.task_id)
-    if req is None or compat.request_message(req) is not held.message:
+    req = worker_state.requests.get(held.arrival.task_id)
+    if req is None or compat.request_message(req) is not held.arrival.message:
         return 0
     # Not announced as revoked/retried: the task is not over, it runs elsewhere.
     compat.cancel_quietly(req, timer)
@@ -189,7 +191,7 @@ def cancel_request(held: Held, *, pool: Any, pool_name: str, timer: Any) -> int:
 
 def delivery_of(held: Held) -> Delivery:
     """The strategy's arguments of a hold made by ``claimed_strategy`` (every hold is)."""
-    assert held.delivery is not None, f"hold of {held.task_id} carries no delivery"
+    assert held.delivery is not None, f"hold of {held.arrival.task_id} carries no delivery"
     return held.delivery
 
 
@@ -210,11 +212,11 @@ def _settler(held: Held, settle: Callable[..., Any], args: tuple[Any, ...],
     the tombstone drops the redelivery, or the claim's drop lets it run again)."""
 
     def call() -> Any:
-        if compat.channel_gone(held.message):
+        if compat.channel_gone(held.arrival.message):
             logger.warning("celery-crawl: %s[%s]: its broker connection is gone; not acking "
                            "on it (kombu's visibility timeout redelivers the message later, and "
-                           "the done tombstone drops that copy)", held.task_name,
-                           held.task_id)
+                           "the done tombstone drops that copy)", held.arrival.task_name,
+                           held.arrival.task_id)
             return None
         return settle(*args, **kw)
 

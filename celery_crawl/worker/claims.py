@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import itertools
 import json
@@ -56,6 +57,7 @@ from ..leases.base import Claim, Lease, LeaseStore
 from .delivery import Delivery
 
 __all__ = [
+    "Arrival",
     "ClaimBook",
     "Claimer",
     "Decision",
@@ -115,26 +117,16 @@ class Decision:
     sent_before: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(slots=True)
-class Held:
-    """One delivery this worker holds (claimed, or parked without a claim).
+@dataclasses.dataclass(frozen=True, eq=False)
+class Arrival:
+    """What one delivery is: fixed when it arrives, the same for its whole lifecycle.
 
-    ``message``/``delivery`` are opaque to this module (the consumer step keeps the kombu message
-    and the strategy's arguments there). ``fenced`` is set when the lease was lost while the
-    claim was held.
+    ``message`` is opaque to this module (the consumer step keeps the kombu message there).
     """
 
     task_id: str
     delivery_tag: Any
     queue: str | None
-    deliveries: int
-    token: int | None = None
-    lease_name: str | None = None
-    holder: str | None = None
-    parked: bool = False
-    #: UNIX time the live claim we park behind was last seen alive (see ``Decision.alive_at``).
-    alive_at: float | None = None
-    fenced: bool = False
     retries: int = 0
     #: ``(replaced_task_nesting, retries)`` of the message (see ``is_successor``).
     generation: tuple[int, int] = (0, 0)
@@ -142,35 +134,60 @@ class Held:
     #: through ``digest_now``: only a decision that found a tombstone, and the tombstone of a
     #: run that handed its id on, need it, so it is computed then (``digest_source``).
     digest: str = ""
-    #: Computes ``digest`` when it is first needed (None: ``digest`` is all there is).
+    #: Computes the digest when it is first needed (None: ``digest`` is all there is).
     digest_source: Callable[[], str] | None = None
-    #: The run handed its task id on (set from the pool child's mark when it ends).
-    handoff: bool = False
     #: The publish this message belongs to (``crawl_sent``; "" when unmarked, ``publishes.py``).
     sent: str = ""
-    #: The publishes the task id already ran for (``Decision.sent_before``).
-    sent_before: tuple[str, ...] = ()
     #: The registered name of the task (for logs and the poison path).
     task_name: str = ""
     #: Where the message was published to (recorded in the claim).
     exchange: str | None = None
     routing_key: str | None = None
     message: Any = None
-    #: How the consumer step runs or settles this delivery (None for holds made elsewhere).
-    delivery: Delivery | None = None
     #: Unique per delivery: a message restored twice can reach us twice with the same tag.
     key: int = dataclasses.field(default_factory=itertools.count(1).__next__)
 
     def digest_now(self) -> str:
         """``digest``, computed from ``digest_source`` on first use."""
-        if not self.digest and self.digest_source is not None:
-            self.digest = self.digest_source()
-        return self.digest
+        return self.digest or self._computed_digest
+
+    @functools.cached_property
+    def _computed_digest(self) -> str:
+        return self.digest_source() if self.digest_source is not None else ""
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Held:
+    """One delivery this worker holds (claimed, or parked without a claim): its ``arrival``
+    (what it is, never changed) and the state of its claim, which its lifecycle changes.
+
+    ``delivery`` is opaque to this module: how the consumer step runs or settles it, attached
+    once its task's strategy receives it (None for holds made elsewhere).
+    """
+
+    arrival: Arrival
+    #: The delivery count of this delivery, as its latest decision counted it.
+    deliveries: int = 0
+    token: int | None = None
+    #: The lease the claim was made under, and its holder (for a parked delivery: the holder
+    #: of the live claim it waits behind).
+    lease_name: str | None = None
+    holder: str | None = None
+    parked: bool = False
+    #: UNIX time the live claim we park behind was last seen alive (see ``Decision.alive_at``).
+    alive_at: float | None = None
+    #: Set when the lease was lost while the claim was held.
+    fenced: bool = False
+    #: The run handed its task id on (set from the pool child's mark when it ends).
+    handoff: bool = False
+    #: The publishes the task id already ran for (``Decision.sent_before``).
+    sent_before: tuple[str, ...] = ()
+    delivery: Delivery | None = None
 
     def as_claim(self) -> Claim:
         """This hold as the store's ``Claim`` (for ``drop_claim``)."""
         return Claim(
-            key=keys.task_claim(self.task_id), lease_name=self.lease_name or "",
+            key=keys.task_claim(self.arrival.task_id), lease_name=self.lease_name or "",
             holder=self.holder or "", token=self.token or 0, value={}, alive=False,
         )
 
@@ -194,15 +211,15 @@ class ClaimBook:
         """``held``'s run ended: from live to ending. None if it was not live (released or
         ended already): nothing to record."""
         with self._lock:
-            got = self._by_tag.pop(held.key, None)
+            got = self._by_tag.pop(held.arrival.key, None)
             if got is not None and got.token is not None:
-                self._ending[got.key] = got
+                self._ending[got.arrival.key] = got
             return got
 
     def recorded(self, held: Held) -> None:
         """``held``'s end is recorded in the store (or will never be by this worker)."""
         with self._lock:
-            self._ending.pop(held.key, None)
+            self._ending.pop(held.arrival.key, None)
 
     def has_token(self, token: int) -> bool:
         """Whether a hold, live or ending, carries claim token ``token``."""
@@ -217,12 +234,12 @@ class ClaimBook:
 
     def add(self, held: Held) -> None:
         with self._lock:
-            self._by_tag[held.key] = held
+            self._by_tag[held.arrival.key] = held
 
     def pop(self, held: Held) -> Held | None:
         """Remove ``held``; None if it was not there (already completed or released)."""
         with self._lock:
-            return self._by_tag.pop(held.key, None)
+            return self._by_tag.pop(held.arrival.key, None)
 
     def snapshot(self) -> list[Held]:
         with self._lock:
@@ -247,13 +264,13 @@ class ClaimBook:
             out = [h for h in self._by_tag.values()
                    if (lease_name is None if h.parked else h.lease_name != lease_name)]
             for held in out:
-                del self._by_tag[held.key]
+                del self._by_tag[held.arrival.key]
             return out
 
     def tags(self) -> list[Any]:
         """Delivery tags of every hold (claimed and parked), without repeats."""
         with self._lock:
-            return list(dict.fromkeys(h.delivery_tag for h in self._by_tag.values()))
+            return list(dict.fromkeys(h.arrival.delivery_tag for h in self._by_tag.values()))
 
     def counts(self) -> tuple[int, int]:
         """``(claimed, parked)``."""
@@ -375,14 +392,16 @@ class Claimer:
             if decided is not None:
                 out.append(decided)
             elif reply is None or isinstance(reply, RecordChanged):
+                a = held.arrival
                 out.append(self.decide(
-                    held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
-                    exchange=held.exchange, routing_key=held.routing_key, retries=held.retries,
-                    generation=held.generation, digest=held.digest_now(), sent=held.sent,
+                    a.task_id, delivery_tag=a.delivery_tag, queue=a.queue, exchange=a.exchange,
+                    routing_key=a.routing_key, retries=a.retries, generation=a.generation,
+                    digest=a.digest_now(), sent=a.sent,
                     known_deliveries=held.deliveries, presume_fresh=False, under=lease))
             else:
                 # This one call failed (the others stand): fail closed, look again later.
-                logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, reply)
+                logger.warning("celery-crawl: cannot claim %s (%s); parked",
+                               held.arrival.task_id, reply)
                 out.append(Decision(Outcome.PARK, deliveries=held.deliveries))
         return out, lease
 
@@ -390,8 +409,9 @@ class Claimer:
                    ) -> tuple[str, dict[str, Any], list[tuple[str, str]]]:
         """The first claim of a fresh delivery, as ``(claim key, value, guarded records)``:
         guarded by "no tombstone and no delivery count" (most deliveries are a task's first)."""
-        return (keys.task_claim(held.task_id), self._value(lease, held, held.deliveries + 1),
-                [(keys.done(held.task_id), ""), (deliveries_key(held.task_id), "")])
+        task_id = held.arrival.task_id
+        return (keys.task_claim(task_id), self._value(lease, held, held.deliveries + 1),
+                [(keys.done(task_id), ""), (deliveries_key(task_id), "")])
 
     def fresh_decision(self, held: Held, reply: int | Exception | None) -> Decision | None:
         """What the reply to ``fresh_item``'s claim decides, or None when the delivery must be
@@ -410,14 +430,14 @@ class Claimer:
         """The end of a claimed delivery as ``(claim key, record key, record)`` (see
         ``finish``)."""
         record, value = self._end_record(held, state, requeue)
-        return keys.task_claim(held.task_id), record, value
+        return keys.task_claim(held.arrival.task_id), record, value
 
     def _value(self, lease: Lease, held: Held, deliveries: int) -> dict[str, Any]:
         return {
             "lease": lease.name, "worker": self.worker,
-            "delivery_tag": json_tag(held.delivery_tag), "queue": held.queue,
-            "exchange": held.exchange, "routing_key": held.routing_key,
-            "deliveries": deliveries, "retries": held.retries, "ttl_s": lease.ttl_s,
+            "delivery_tag": json_tag(held.arrival.delivery_tag), "queue": held.arrival.queue,
+            "exchange": held.arrival.exchange, "routing_key": held.arrival.routing_key,
+            "deliveries": deliveries, "retries": held.arrival.retries, "ttl_s": lease.ttl_s,
             "claimed_at": time.time(),
         }
 
@@ -506,7 +526,7 @@ class Claimer:
         record = self._end_record(held, state, requeue)
         if held.token is not None and lease is not None and lease.name == held.lease_name:
             # Record and unclaim in one atomic store operation (record first).
-            self.store.finish_claim(lease, keys.task_claim(held.task_id), *record,
+            self.store.finish_claim(lease, keys.task_claim(held.arrival.task_id), *record,
                                     ttl_s=self.done_ttl_s, token=held.token)
             return
         self.store.put(*record, ttl_s=self.done_ttl_s)
@@ -533,7 +553,7 @@ class Claimer:
             for i in batch:
                 held, state, requeue = ends[i]
                 record, value = self._end_record(held, state, requeue)
-                items.append((keys.task_claim(held.task_id), record, value))
+                items.append((keys.task_claim(held.arrival.task_id), record, value))
                 tokens.append(held.token)
             try:
                 replies = self.store.finish_claims(lease, items, ttl_s=self.done_ttl_s,
@@ -547,12 +567,12 @@ class Claimer:
 
     def _end_record(self, held: Held, state: str, requeue: bool) -> tuple[str, dict[str, Any]]:
         if requeue:
-            return deliveries_key(held.task_id), {"n": held.deliveries}
+            return deliveries_key(held.arrival.task_id), {"n": held.deliveries}
         # Only a tombstone that hands the id on is ever compared by digest (``is_successor``).
-        return (keys.done(held.task_id),
-                {"state": state, "token": held.token, "retries": held.retries,
-                 "gen": list(held.generation),
-                 "digest": held.digest_now() if held.handoff else "",
+        return (keys.done(held.arrival.task_id),
+                {"state": state, "token": held.token, "retries": held.arrival.retries,
+                 "gen": list(held.arrival.generation),
+                 "digest": held.arrival.digest_now() if held.handoff else "",
                  "handoff": held.handoff, "sent": ran_for(held),
                  "worker": self.worker, "at": time.time()})
 
@@ -563,7 +583,7 @@ class Claimer:
         lease = lease if lease is not None else self._lease()
         if lease is not None and lease.name == held.lease_name:
             try:
-                self.store.unclaim(lease, keys.task_claim(held.task_id), token=held.token)
+                self.store.unclaim(lease, keys.task_claim(held.arrival.task_id), token=held.token)
                 return
             except LeaseLost:
                 pass
@@ -616,8 +636,9 @@ def ran_for(held: Held) -> list[str]:
     """The publish ids the tombstone of ``held``'s end records: those before it and its
     own, the newest ``MAX_PUBLISHES``."""
     out = list(held.sent_before)
-    if held.sent and held.sent not in out:
-        out.append(held.sent)
+    sent = held.arrival.sent
+    if sent and sent not in out:
+        out.append(sent)
     return out[-MAX_PUBLISHES:]
 
 

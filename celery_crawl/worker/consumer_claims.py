@@ -314,7 +314,7 @@ class ConsumerClaims:
         if self.broker is None:
             return
         try:
-            self.broker.restore([h.delivery_tag for h in helds])
+            self.broker.restore([h.arrival.delivery_tag for h in helds])
         except Exception as exc:
             logger.warning("celery-crawl: restoring %d delivery(ies) of the old connection "
                            "failed (%s); kombu's visibility timeout will", len(helds), exc)
@@ -492,7 +492,7 @@ class ConsumerClaims:
         metrics.WORKER_DUPLICATES_PARKED.labels("dropped").inc()
         logger.warning("celery-crawl: %s[%s] already finished (done tombstone) and handed "
                        "its id on to no newer message; dropping this delivery as a "
-                       "duplicate", held.task_name, held.task_id)
+                       "duplicate", held.arrival.task_name, held.arrival.task_id)
         # Its canvas gets the finished run's outcome before the ack (replay.py).
         requests.ack_dropped(self.app, held, self.hostname,
                              functools.partial(self._call_ack, held),
@@ -531,7 +531,7 @@ class ConsumerClaims:
         still ours, so it is settled normally. The store calls run off the consumer's loop.
         """
         self.book.end(held)
-        held.handoff = finishing.take(held.task_id)
+        held.handoff = finishing.take(held.arrival.task_id)
         held.fenced = True
         if self._offloading():
             self._offload.submit(
@@ -561,20 +561,20 @@ class ConsumerClaims:
         """Offload thread: record the ends of runs that ended together (one store round trip,
         ``Desk.record_many``), then settle their messages on the loop."""
         for held, _, _, _ in ends:
-            held.handoff = finishing.take(held.task_id)
+            held.handoff = finishing.take(held.arrival.task_id)
         self._the_desk.record_many([(held, state, requeue) for held, state, requeue, _ in ends])
         return [functools.partial(requests.settle_unless_fenced, held, settle)
                 for held, _, _, settle in ends]
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
         """The end sequence, waiting for the store (``Desk.record``)."""
-        held.handoff = finishing.take(held.task_id)
+        held.handoff = finishing.take(held.arrival.task_id)
         self._the_desk.record(held, state, requeue)
 
     def _on_recorded(self, held: Held) -> None:
         """An end is recorded: a parked copy waiting for its hand-off is decided at once."""
         if held.handoff:
-            self._wake_parked(held.task_id)
+            self._wake_parked(held.arrival.task_id)
 
     def _wake_parked(self, task_id: str) -> None:
         """Decide at once the parked deliveries of a task whose run just handed its id on (a
@@ -653,17 +653,17 @@ class ConsumerClaims:
 
     def _release(self, held: Held, reason: str, *, requeue: bool = True) -> None:
         """Hand an unacked delivery back without acking it (it must run again somewhere)."""
-        message = held.message
+        message = held.arrival.message
         if message is None or message.acknowledged:
             return
         try:
             if self.broker is None:
                 message.reject(requeue=True)
             else:
-                self.broker.release(message, held.delivery_tag,
+                self.broker.release(message, held.arrival.delivery_tag,
                                     reaper_restores=held.token is not None and not requeue)
         except Exception as exc:  # a dead connection requeues by itself
-            logger.info("celery-crawl: releasing %s: %s", held.task_id, exc)
+            logger.info("celery-crawl: releasing %s: %s", held.arrival.task_id, exc)
 
     # -- unacked freshness -----------------------------------------------------------------
     def refresh_unacked(self) -> None:
@@ -672,7 +672,8 @@ class ConsumerClaims:
             return
         if self.keeper is None or self.keeper.lease is None:
             return
-        tags = list(dict.fromkeys(h.delivery_tag for h in self.book.snapshot() if not h.fenced))
+        tags = list(dict.fromkeys(h.arrival.delivery_tag for h in self.book.snapshot()
+                                  if not h.fenced))
         if tags:
             self.broker.refresh(tags)
 
@@ -691,8 +692,9 @@ class ConsumerClaims:
 
     def claims(self) -> list[dict[str, Any]]:
         return [
-            {"task_id": h.task_id, "token": h.token, "delivery_tag": _jsonable(h.delivery_tag),
-             "queue": h.queue, "deliveries": h.deliveries, "parked": h.parked,
+            {"task_id": h.arrival.task_id, "token": h.token,
+             "delivery_tag": _jsonable(h.arrival.delivery_tag),
+             "queue": h.arrival.queue, "deliveries": h.deliveries, "parked": h.parked,
              "waiting_for": h.holder if h.parked else None}
             for h in self.book.snapshot()
         ]

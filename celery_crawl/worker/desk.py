@@ -71,16 +71,17 @@ class Desk:
         lease = self._lease()
         if lease is None:
             return Decision(Outcome.NO_LEASE), None
+        a = held.arrival
         try:
             decision = self.claimer.decide(
-                held.task_id, delivery_tag=held.delivery_tag, queue=held.queue,
-                exchange=held.exchange, routing_key=held.routing_key,
-                retries=held.retries, generation=held.generation, digest=held.digest_now(),
-                sent=held.sent, known_deliveries=held.deliveries, parked=held.parked,
+                a.task_id, delivery_tag=a.delivery_tag, queue=a.queue, exchange=a.exchange,
+                routing_key=a.routing_key, retries=a.retries, generation=a.generation,
+                digest=a.digest_now(), sent=a.sent, known_deliveries=held.deliveries,
+                parked=held.parked,
                 holder=held.holder, alive_at=held.alive_at, presume_fresh=presume_fresh,
                 under=lease)
         except StoreError as exc:
-            logger.warning("celery-crawl: cannot claim %s (%s); parked", held.task_id, exc)
+            logger.warning("celery-crawl: cannot claim %s (%s); parked", held.arrival.task_id, exc)
             decision = Decision(Outcome.PARK, deliveries=held.deliveries, holder=held.holder,
                                 alive_at=held.alive_at)
         if (decision.outcome is Outcome.PARK and not own_claim_dropped
@@ -89,7 +90,7 @@ class Desk:
             # here carries, live or ending: a claim call of ours whose reply was lost (and
             # whose drop failed too). Our lease keeps it alive, so waiting would wait forever.
             logger.info("celery-crawl: %s was parked behind a claim of its own whose reply "
-                        "was lost; claiming it again", held.task_id)
+                        "was lost; claiming it again", held.arrival.task_id)
             return self.decide(held, presume_fresh=False, own_claim_dropped=True)
         return decision, lease
 
@@ -98,13 +99,13 @@ class Desk:
         back if so, naming its token, unless a hold here (live or *ending*) carries that token.
         True when one was given back."""
         with contextlib.suppress(StoreError, LeaseLost):
-            current = self.store.claimant(keys.task_claim(held.task_id))
+            current = self.store.claimant(keys.task_claim(held.arrival.task_id))
             if (current is None or current.lease_name != lease.name
                     or current.holder != lease.holder
-                    or current.value.get("delivery_tag") != json_tag(held.delivery_tag)
+                    or current.value.get("delivery_tag") != json_tag(held.arrival.delivery_tag)
                     or self.book.has_token(current.token)):
                 return False
-            return bool(self.store.unclaim(lease, keys.task_claim(held.task_id),
+            return bool(self.store.unclaim(lease, keys.task_claim(held.arrival.task_id),
                                            token=current.token))
         return False
 
@@ -167,7 +168,7 @@ class Desk:
         """``held``'s end may not be recorded: it stays *ending*, in the backlog."""
         if error is not None:
             logger.warning("celery-crawl: recording the end of %s failed (%s); will retry",
-                           held.task_id, error)
+                           held.arrival.task_id, error)
         self.backlog.add(held, state, requeue)
 
     def record(self, held: Held, state: str, requeue: bool) -> None:
@@ -207,14 +208,14 @@ class Desk:
         another."""
         ours: bool | None
         try:
-            current = self.store.claimant(keys.task_claim(held.task_id))
+            current = self.store.claimant(keys.task_claim(held.arrival.task_id))
             ours = current is not None and current.token == held.token
         except StoreError:
             ours = None
         finally:
             self.book.recorded(held)
         logger.warning("celery-crawl: %s[%s] ended after its lease was lost (claim %s)",
-                       held.task_name, held.task_id,
+                       held.arrival.task_name, held.arrival.task_id,
                        {True: "still ours", False: "taken over", None: "unknown"}[ours])
         if ours:
             with contextlib.suppress(StoreError, LeaseLost):
@@ -222,10 +223,20 @@ class Desk:
         return ours
 
     def drain_backlog(self) -> None:
-        """Record the ends that could not be recorded when they happened (keeper hook)."""
+        """Record the ends that could not be recorded when they happened (keeper hook).
+
+        An end waits here when its outcome is unknown: the store may have executed it (its
+        reply was lost) and a later run of the task may have claimed, run and ended since,
+        writing a newer tombstone. Writing this end's record again would put the older one
+        back (a tombstone that hands the id on to an older generation: a copy of the later
+        run's message would run again). So it is written only while the claim still carries
+        this run's token, which no later run can take from it: otherwise the end was
+        executed, or the claim went to the reaper with its lease (at least once)."""
 
         def record(held: Held, *, state: str, requeue: bool) -> None:
-            self.claimer.finish(held, state=state, requeue=requeue)
+            current = self.store.claimant(keys.task_claim(held.arrival.task_id))
+            if current is not None and current.token == held.token:
+                self.claimer.finish(held, state=state, requeue=requeue)
             self.recorded(held)
 
         self.backlog.drain(record)

@@ -102,13 +102,13 @@ class LeaseLoss:
         ending: list[Held] = []
         fenced: list[Held] = []
         for held in stale:
-            kept = not held.parked and finishing.finished(held.task_id)
+            kept = not held.parked and finishing.finished(held.arrival.task_id)
             (ending if kept else fenced).append(held)
         for held in ending:
             self._book.add(held)
         cancelled = 0
         for held in fenced:
-            finishing.clear(held.task_id)
+            finishing.clear(held.arrival.task_id)
             held.fenced = True
             if not held.parked:
                 self.fenced_count += 1

@@ -24,7 +24,7 @@ def waits_for_own_run(held: Held, holder: str | None, own_holder: str | None) ->
     this worker (``own_holder``), or one that ended while being read: it waits for its own
     run."""
     own = holder is None or (own_holder is not None and holder == own_holder)
-    return own and held.generation != (0, 0)
+    return own and held.arrival.generation != (0, 0)
 
 
 def say_parked(held: Held, decision: Decision, own_holder: str | None) -> None:
@@ -35,17 +35,19 @@ def say_parked(held: Held, decision: Decision, own_holder: str | None) -> None:
         # A retry or replacement received while the run that published it is still ending
         # (Celery's normal course, not a fault worth a warning).
         logger.info("celery-crawl: %s[%s] is a %s waiting for its previous run to end%s; "
-                    "parked (not run, not acked) until then", held.task_name, held.task_id,
-                    "retry" if held.generation[0] == 0 else "replacement",
+                    "parked (not run, not acked) until then", held.arrival.task_name,
+                    held.arrival.task_id,
+                    "retry" if held.arrival.generation[0] == 0 else "replacement",
                     _on_worker(decision.holder, own_holder))
     elif decision.holder is None:
         logger.warning("celery-crawl: %s[%s] is a duplicate delivery whose run's claim ended "
                        "while being read; parked (not run, not acked) and looked at again "
-                       "shortly", held.task_name, held.task_id)
+                       "shortly", held.arrival.task_name, held.arrival.task_id)
     else:
         logger.warning("celery-crawl: %s[%s] is a duplicate delivery: its run holds a live "
                        "claim%s; parked (not run, not acked) until that claim ends",
-                       held.task_name, held.task_id, _on_worker(decision.holder, own_holder))
+                       held.arrival.task_name, held.arrival.task_id,
+                       _on_worker(decision.holder, own_holder))
 
 
 def run_after_parking(held: Held, own_holder: str | None) -> None:

@@ -26,12 +26,12 @@ logger = logging.getLogger("celery_crawl.worker")
 def store_poison_failure(app: Any, held: Held, *, hostname: str, max_deliveries: int) -> None:
     """Store ``held``'s FAILURE (the task's hook, else its backend). Off the loop: these are
     the task's and the backend's calls."""
-    name = held.task_name
+    name = held.arrival.task_name
     task = app.tasks.get(name)
-    message = held.message
+    message = held.arrival.message
     reason = (f"delivered {held.deliveries} times (crawl_max_deliveries={max_deliveries}) "
               "without finishing; its worker probably died running it")
-    exc = PoisonMessage(f"{name}[{held.task_id}] {reason}")
+    exc = PoisonMessage(f"{name}[{held.arrival.task_id}] {reason}")
     args: Any = ()
     kwargs: Any = {}
     embed: dict[str, Any] = {}
@@ -40,8 +40,8 @@ def store_poison_failure(app: Any, held: Held, *, hostname: str, max_deliveries:
         if isinstance(payload, list | tuple) and len(payload) == 3:
             args, kwargs, embed = payload
     except Exception:  # a body we cannot decode still ends as FAILURE
-        logger.debug("celery-crawl: cannot decode %s", held.task_id, exc_info=True)
-    logger.error("celery-crawl: %s[%s] is a poison message: %s", name, held.task_id, reason)
+        logger.debug("celery-crawl: cannot decode %s", held.arrival.task_id, exc_info=True)
+    logger.error("celery-crawl: %s[%s] is a poison message: %s", name, held.arrival.task_id, reason)
     hook = getattr(task, "crawl_on_poison", None) if task is not None else None
     if callable(hook):
         # The task's own hook rolls back, audits and stores the FAILURE itself.
@@ -49,16 +49,17 @@ def store_poison_failure(app: Any, held: Held, *, hostname: str, max_deliveries:
             params = inspect.signature(hook).parameters
             extra = {k: v for k, v in (("token", held.token), ("hostname", hostname))
                      if k in params}
-            hook(held.task_id, args, kwargs, reason, **extra)
+            hook(held.arrival.task_id, args, kwargs, reason, **extra)
             return
         except Exception:
-            logger.exception("celery-crawl: crawl_on_poison of %s failed", held.task_id)
+            logger.exception("celery-crawl: crawl_on_poison of %s failed", held.arrival.task_id)
     if task is None:
         return
     ctx = Context({**message.headers, **(embed or {}), "args": args, "kwargs": kwargs,
                    CLAIM_HEADER: held.token, "hostname": hostname,
                    "delivery_info": message.delivery_info})
     try:
-        task.backend.mark_as_failure(held.task_id, exc, request=ctx)
+        task.backend.mark_as_failure(held.arrival.task_id, exc, request=ctx)
     except Exception:
-        logger.exception("celery-crawl: storing the poison FAILURE of %s failed", held.task_id)
+        logger.exception("celery-crawl: storing the poison FAILURE of %s failed",
+                         held.arrival.task_id)

@@ -72,7 +72,7 @@ class Recheck:
     def wake(self, task_id: str) -> None:
         """Decide at once the parked deliveries of a task whose run just handed its id on."""
         for other in self._book.snapshot():
-            if other.parked and other.task_id == task_id:
+            if other.parked and other.arrival.task_id == task_id:
                 self._in_loop(self._decide_if_parked, other)
 
     def _decide_if_parked(self, held: Held) -> None:

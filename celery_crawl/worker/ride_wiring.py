@@ -117,7 +117,7 @@ class RideWiring:
             self._submit(functools.partial(self._drop_if_unheld, held, lease))
         for end in riding.overdue(overdue_s):
             logger.info("celery-crawl: %s[%s]: its ack did not carry its end; recording it "
-                        "separately", end.held.task_name, end.held.task_id)
+                        "separately", end.held.arrival.task_name, end.held.arrival.task_id)
             self._desk().failed(end.held, end.state, end.requeue)
 
     def take(self, message: Any) -> Any:
@@ -130,9 +130,10 @@ class RideWiring:
         riding = self.riding
         lease = self._lease()
         if (riding is None or lease is None or not self._loop_running()
-                or not riding.carries(held.message) or compat.channel_gone(held.message)):
+                or not riding.carries(held.arrival.message)
+                or compat.channel_gone(held.arrival.message)):
             return False
-        held.handoff = finishing.take(held.task_id)
+        held.handoff = finishing.take(held.arrival.task_id)
         desk = self._desk()
         if not desk.ending(held):
             return True  # released meanwhile: nothing to record

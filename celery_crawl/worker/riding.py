@@ -116,7 +116,7 @@ class Riding:
                     self._unknown.append((held, lease))
                     return
                 decision = self.claimer.fresh_decision(held, outcome(reply))
-                self._claimed[held.delivery_tag] = Claimed(held, decision, lease)
+                self._claimed[held.arrival.delivery_tag] = Claimed(held, decision, lease)
 
         return command, after
 
@@ -124,7 +124,7 @@ class Riding:
         """The claim made in ``message``'s append, for its strategy (None if none rode)."""
         with self._lock:
             got = self._claimed.get(tag)
-            if got is None or got.held.message is not message:
+            if got is None or got.held.arrival.message is not message:
                 return None
             del self._claimed[tag]
             return got
@@ -150,9 +150,9 @@ class Riding:
         """Have the ack of ``held``'s message carry its end. False (nothing registered) when
         another end waits on the same delivery tag: record this one the usual way."""
         with self._lock:
-            if held.delivery_tag in self._ends:
+            if held.arrival.delivery_tag in self._ends:
                 return False
-            self._ends[held.delivery_tag] = RiddenEnd(held, state, requeue, lease,
+            self._ends[held.arrival.delivery_tag] = RiddenEnd(held, state, requeue, lease,
                                                       time.monotonic())
         return True
 
@@ -209,7 +209,7 @@ class Riding:
             out = [e for e in self._ends.values()
                    if older_than_s is None or now - e.since >= older_than_s]
             for each in out:
-                del self._ends[each.held.delivery_tag]
+                del self._ends[each.held.arrival.delivery_tag]
         return out
 
 

@@ -17,7 +17,7 @@ from celery_crawl import keys
 from celery_crawl.errors import LeaseLost, RecordChanged
 from celery_crawl.leases import open_store
 from celery_crawl.leases.base import LeaseStore
-from celery_crawl.worker.claims import Claimer, Held, Outcome, is_successor
+from celery_crawl.worker.claims import Arrival, Claimer, Held, Outcome, is_successor
 from celery_crawl.worker.keeper import Keeper
 from tests.servers import EtcdServer, RedisServer
 
@@ -84,9 +84,11 @@ def _keepers(store: LeaseStore) -> tuple[Keeper, Keeper]:
     return a, b
 
 
-def _held(task_id: str, token: int | None, keeper: Keeper, **kw: Any) -> Held:
+def _held(task_id: str, token: int | None, keeper: Keeper, *, digest: str = "",
+          generation: tuple[int, int] = (0, 0), **kw: Any) -> Held:
     lease = keeper.lease
-    return Held(task_id=task_id, delivery_tag="tag-a", queue="q", deliveries=1, token=token,
+    return Held(Arrival(task_id=task_id, delivery_tag="tag-a", queue="q", digest=digest,
+                        generation=generation), deliveries=1, token=token,
                 lease_name=lease.name if lease else None, holder=keeper.holder, **kw)
 
 

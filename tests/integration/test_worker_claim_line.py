@@ -253,7 +253,7 @@ def test_a_claim_made_whose_reply_was_lost_does_not_park_the_task_forever(rig: R
         # The drop and the decision by reading run on the offload thread and time out
         # against the frozen store: the delivery is parked.
         held = rig.loop_until(lambda: [h for h in rig.step.book.snapshot()
-                                       if h.task_id == task_id and h.parked], 15.0,
+                                       if h.arrival.task_id == task_id and h.parked], 15.0,
                               what="the delivery parked")[0]
         assert held.token is None
     finally:
@@ -290,7 +290,7 @@ def _force_claim(rig: Rig, task_id: str, lease: Any) -> Any:
     """The claim the frozen store would have made, made as the line's call makes it."""
     store = rig.step.store
     assert store is not None and rig.step.claimer is not None
-    held = next(h for h in rig.step.book.snapshot() if h.task_id == task_id)
+    held = next(h for h in rig.step.book.snapshot() if h.arrival.task_id == task_id)
     key, value, guarded = rig.step.claimer.fresh_item(held, lease)
     assert store.claim_unless_changed(lease, key, value, record=guarded[0][0], version="",
                                       also=guarded[1:]) is not None

@@ -15,7 +15,7 @@ from celery_crawl import keys
 from celery_crawl.leases import open_store
 from celery_crawl.leases.base import LeaseStore
 from celery_crawl.worker.broker import AmqpBroker
-from celery_crawl.worker.claims import Claimer, Held, Outcome, deliveries_key
+from celery_crawl.worker.claims import Arrival, Claimer, Held, Outcome, deliveries_key
 from celery_crawl.worker.guards import check_memory, check_pool
 from celery_crawl.worker.keeper import Keeper
 from celery_crawl.worker.reaper import ORPHAN_GRACE_S, Reaper
@@ -65,8 +65,9 @@ def test_decisions_park_duplicate_poison(store: LeaseStore) -> None:
     assert first.outcome is Outcome.RUN and first.token and first.deliveries == 1
     parked = cb.decide("t1", delivery_tag="x2", queue="q")
     assert parked.outcome is Outcome.PARK and parked.holder == a.holder
-    held = Held(task_id="t1", delivery_tag="x1", queue="q", deliveries=1, token=first.token,
-                lease_name=a.lease.name if a.lease else None, holder=a.holder)
+    held = Held(Arrival(task_id="t1", delivery_tag="x1", queue="q"), deliveries=1,
+                token=first.token, lease_name=a.lease.name if a.lease else None,
+                holder=a.holder)
     ca.finish(held, state="done")
     assert store.claimant(keys.task_claim("t1")) is None
     assert cb.decide("t1", delivery_tag="x2", queue="q").outcome is Outcome.DUPLICATE
@@ -75,8 +76,9 @@ def test_decisions_park_duplicate_poison(store: LeaseStore) -> None:
         Outcome.DUPLICATE)
     # A run that retried hands its id on: the retry (one more retry) runs.
     again = ca.decide("t3", delivery_tag="z1", queue="q", digest="m1")
-    ca.finish(dataclasses.replace(held, task_id="t3", token=again.token, digest="m1",
-                                  handoff=True), state="done")
+    ca.finish(dataclasses.replace(
+        held, arrival=dataclasses.replace(held.arrival, task_id="t3", digest="m1"),
+        token=again.token, handoff=True), state="done")
     assert cb.decide("t3", delivery_tag="z2", queue="q", retries=1,
                      digest="m2").outcome is Outcome.RUN
     # Requeued twice (its child died): the third delivery is poison.
@@ -171,15 +173,15 @@ def test_parked_delivery_estimates_the_death_of_the_claimant(store: LeaseStore) 
     dead, renewed_at = _renewed_then_dead(store, ["p1"])
     claimer = Claimer(store, lambda: alive.lease, max_deliveries=5, done_ttl_s=60,
                       recheck_s=0.1)
-    held = Held(task_id="p1", delivery_tag="d-p1-copy", queue="q", deliveries=0)
-    first = claimer.decide("p1", delivery_tag=held.delivery_tag, queue="q")
+    held = Held(Arrival(task_id="p1", delivery_tag="d-p1-copy", queue="q"))
+    first = claimer.decide("p1", delivery_tag=held.arrival.delivery_tag, queue="q")
     assert first.outcome is Outcome.PARK and first.holder == dead.holder
     assert first.alive_at is not None
     held.parked, held.holder, held.alive_at = True, first.holder, first.alive_at
     held.deliveries = first.deliveries
 
     def taken_over() -> object:
-        decision = claimer.decide("p1", delivery_tag=held.delivery_tag, queue="q",
+        decision = claimer.decide("p1", delivery_tag=held.arrival.delivery_tag, queue="q",
                                   known_deliveries=held.deliveries, parked=True,
                                   holder=held.holder, alive_at=held.alive_at)
         if decision.outcome is Outcome.PARK:

@@ -19,7 +19,7 @@ from celery_crawl import keys
 from celery_crawl.leases import LeaseStore, open_store
 from celery_crawl.leases.base import Lease
 from celery_crawl.leases.redis import RedisLeaseStore
-from celery_crawl.worker.claims import Claimer, Held
+from celery_crawl.worker.claims import Arrival, Claimer, Held
 from tests.servers import EtcdServer, RedisServer
 
 TTL_S = 3.0
@@ -49,14 +49,14 @@ def _two_claims(store: LeaseStore) -> tuple[Lease, Claimer, Held, Held]:
     assert lease is not None
     claimer = Claimer(store, lambda: lease, max_deliveries=5, done_ttl_s=60.0, worker="a")
     task_id = f"x-{uuid.uuid4().hex[:6]}"
-    first = Held(task_id=task_id, delivery_tag="t", queue="q", deliveries=0)
+    first = Held(Arrival(task_id=task_id, delivery_tag="t", queue="q"))
     decided = claimer.decide(task_id, delivery_tag="t", queue="q")
     first.token, first.lease_name, first.holder = decided.token, lease.name, lease.holder
     assert first.token is not None
     # The claim is given back (a lost-reply drop).
     claimer.drop(first)
     assert store.claimant(keys.task_claim(task_id)) is None
-    second = Held(task_id=task_id, delivery_tag="t", queue="q", deliveries=0)
+    second = Held(Arrival(task_id=task_id, delivery_tag="t", queue="q"))
     again = claimer.decide(task_id, delivery_tag="t", queue="q")
     second.token, second.lease_name, second.holder = again.token, lease.name, lease.holder
     assert second.token is not None and second.token != first.token
@@ -65,12 +65,12 @@ def _two_claims(store: LeaseStore) -> tuple[Lease, Claimer, Held, Held]:
 
 def test_a_late_end_of_an_earlier_claim_leaves_the_later_claim_alone(store: LeaseStore) -> None:
     lease, claimer, first, second = _two_claims(store)
-    key = keys.task_claim(first.task_id)
+    key = keys.task_claim(first.arrival.task_id)
     claimer.finish(first, state="done")  # run 1's end, recorded late (from the backlog)
     current = store.claimant(key)
     assert current is not None and current.token == second.token, (
         "the end of claim C1 deleted claim C2 of the same lease")
-    assert store.get(keys.done(first.task_id)) is not None  # its record is written anyway
+    assert store.get(keys.done(first.arrival.task_id)) is not None  # its record is written anyway
     # The batched form and an unclaim name their claim too.
     assert claimer.finish_many([(first, "done", False)]) == [None]
     assert store.claimant(key) is not None

@@ -68,10 +68,10 @@ def test_a_copy_parked_behind_an_ending_run_does_not_take_its_claim(rig: Rig) ->
         def copy() -> Any:
             rig._drain()
             return [h for h in rig.step.book.snapshot()
-                    if h.task_id == task_id and h.parked and h.message is not first]
+                    if h.arrival.task_id == task_id and h.parked and h.arrival.message is not first]
 
         parked = rig.loop_until(copy, 15.0, what="the copy parked behind claim C")[0]
-        assert parked.delivery_tag == first.delivery_tag
+        assert parked.arrival.delivery_tag == first.delivery_tag
         # X ends; the claim line's connection dies before the end's reply: backlog.
         _kill_line_connection(rig)
         rig.started[task_id]()
@@ -94,7 +94,7 @@ def test_a_copy_parked_behind_an_ending_run_does_not_take_its_claim(rig: Rig) ->
     wait_until(lambda: _recheck_once(rig) or rig.step.duplicates > dropped, 10.0,
                what="the copy dropped as a duplicate")
     assert rig.starts[task_id] == 1
-    assert not [h for h in rig.step.book.snapshot() if h.task_id == task_id]
+    assert not [h for h in rig.step.book.snapshot() if h.arrival.task_id == task_id]
 
 
 #: The riding rig of ``test_worker_riding.py`` (the store is the broker's Redis database).
@@ -122,7 +122,7 @@ def test_a_copy_parked_behind_a_ridden_end_does_not_take_its_claim(ride_rig: Rid
             rig._drain()
             rig.hub.run()
             return [h for h in step.book.snapshot()
-                    if h.task_id == task_id and h.parked and h.message is not first]
+                    if h.arrival.task_id == task_id and h.parked and h.arrival.message is not first]
 
         wait_until(copy, 15.0, what="the copy parked behind claim C")
         rig.lose_acks = True  # X's ack, carrying its end, never reaches kombu

@@ -133,7 +133,7 @@ def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lea
     assert started == ["t-old", "t-new"]
     assert consumer.task_consumer.consuming, "consumption stayed cancelled under a valid lease"
     assert claim_step.consuming
-    held = [h.task_id for h in claim_step.book.snapshot()]
+    held = [h.arrival.task_id for h in claim_step.book.snapshot()]
     assert held == ["t-new"], held
     assert old.rejected and not new.rejected
     claim = store.claimant(keys.task_claim("t-new"))
@@ -141,8 +141,8 @@ def test_loss_and_reacquisition_pending_together_end_consuming_under_the_new_lea
     # Running everything again (a late duplicate notification) changes nothing.
     hub.call_soon(claim_step._reconcile)
     hub.run_reversed()
-    assert consumer.task_consumer.consuming and [h.task_id for h in claim_step.book.snapshot()] \
-        == ["t-new"]
+    assert consumer.task_consumer.consuming and [
+        h.arrival.task_id for h in claim_step.book.snapshot()] == ["t-new"]
 
 
 def test_a_decision_made_under_a_lease_lost_before_it_reaches_the_loop_does_not_run(
@@ -410,7 +410,7 @@ def test_a_parked_copy_claimed_after_it_was_released_is_given_back(
     _run_pending(hub, 1, "the first delivery's decision")
     _deliver(claim_step, task_id, 2, started)
     _run_pending(hub, 1, "the copy's decision")
-    first, copy = sorted(claim_step.book.snapshot(), key=lambda h: h.delivery_tag)
+    first, copy = sorted(claim_step.book.snapshot(), key=lambda h: h.arrival.delivery_tag)
     assert not first.parked and copy.parked and started == [task_id]
     # The first run's claim goes without a tombstone (its run will not end here).
     claim_step.book.pop(first)

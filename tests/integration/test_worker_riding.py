@@ -8,6 +8,7 @@ own round-trip counter tells whether a claim or an end needed a round trip of it
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,7 +37,8 @@ class Rig:
     hub: QueuedHub
     conn: Any
     queue: str
-    redis: RedisServer
+    #: The broker's server (``RedisServer``; another server's object in other modules).
+    redis: Any
     #: What reached the task (the strategy Celery would have run), with its ack.
     started: dict[str, Callable[[], Any]] = field(default_factory=dict)
     #: Messages kombu delivered, by task id.
@@ -71,7 +73,13 @@ class Rig:
 
 @pytest.fixture
 def rig(redis_server: RedisServer) -> Iterator[Rig]:
-    url = redis_server.url_db(5)
+    with open_rig(redis_server.url_db(5), redis_server) as opened:
+        yield opened
+
+
+@contextlib.contextmanager
+def open_rig(url: str, server: Any, *, transport: str = ridden_transport.PATH) -> Iterator[Rig]:
+    """A rig on the broker (and lease store) at ``url``, on ``server``."""
     app = Celery("ridetest", broker=url, set_as_current=False)
     app.conf.update(crawl_lease_url=url, crawl_namespace=f"ride{uuid.uuid4().hex[:8]}",
                     crawl_worker_lease_ttl=TTL_S, crawl_store_timeout=1.0,
@@ -79,7 +87,7 @@ def rig(redis_server: RedisServer) -> Iterator[Rig]:
                     broker_transport_options={"socket_timeout": 1.0},
                     task_serializer="json", accept_content=["json"])
     install_worker(app)  # kombu's Redis transport, subclassed so claims ride (the URL stays)
-    assert app.conf.broker_transport == ridden_transport.PATH
+    assert app.conf.broker_transport == transport
     hub = QueuedHub()
     worker = SimpleNamespace(app=app, pool_cls="prefork", hostname="ride@localhost", hub=hub,
                              pool=None)
@@ -98,7 +106,7 @@ def rig(redis_server: RedisServer) -> Iterator[Rig]:
     lease_step.start(worker)
     step.start(consumer)
     strategy = consumer.strategies[TASK]
-    rig = Rig(app, step, hub, conn, queue, redis_server)
+    rig = Rig(app, step, hub, conn, queue, server)
 
     def on_message(message: Any) -> None:
         rig.messages[message.headers["id"]] = message

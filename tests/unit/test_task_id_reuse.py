@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery_crawl.worker.claims import is_successor, message_digest
+from celery_crawl.worker.claims import Arrival, is_successor, message_digest
 
 
 def test_a_redelivery_has_the_digest_of_the_message_and_any_other_message_another() -> None:
@@ -49,14 +49,14 @@ def test_only_a_tombstone_that_hands_the_id_on_computes_and_carries_the_digest()
         return "d1"
 
     claimer = Claimer(None, lambda: None, max_deliveries=3, done_ttl_s=60.0)  # type: ignore[arg-type]
-    held = Held(task_id="t", delivery_tag="x", queue="q", deliveries=1, token=5,
-                digest_source=source)
+    held = Held(Arrival(task_id="t", delivery_tag="x", queue="q", digest_source=source),
+                deliveries=1, token=5)
     _, _, value = claimer.end_item(held, "done", False)
     assert value["digest"] == "" and value["handoff"] is False and hashed == []
     held.handoff = True
     _, _, value = claimer.end_item(held, "done", False)
     assert value["digest"] == "d1" and hashed == [1]
-    assert held.digest_now() == "d1" and hashed == [1]  # once
+    assert held.arrival.digest_now() == "d1" and hashed == [1]  # once
 
 
 def test_a_new_publish_of_a_finished_id_runs_and_a_copy_of_a_recorded_one_does_not() -> None:
@@ -73,15 +73,15 @@ def test_a_new_publish_of_a_finished_id_runs_and_a_copy_of_a_recorded_one_does_n
 
 
 def test_the_tombstone_remembers_the_newest_publishes() -> None:
-    from celery_crawl.worker.claims import MAX_PUBLISHES, Claimer, Held
+    from celery_crawl.worker.claims import MAX_PUBLISHES, Arrival, Claimer, Held
 
     claimer = Claimer(None, lambda: None, max_deliveries=3, done_ttl_s=60.0)  # type: ignore[arg-type]
     before = tuple(f"p{i}" for i in range(MAX_PUBLISHES))
-    held = Held(task_id="t", delivery_tag="x", queue="q", deliveries=1, token=5, sent="new",
-                sent_before=before)
+    held = Held(Arrival(task_id="t", delivery_tag="x", queue="q", sent="new"), deliveries=1,
+                token=5, sent_before=before)
     _, _, value = claimer.end_item(held, "done", False)
     assert value["sent"] == [*before[1:], "new"]
-    unmarked = Held(task_id="t", delivery_tag="x", queue="q", deliveries=1, token=5)
+    unmarked = Held(Arrival(task_id="t", delivery_tag="x", queue="q"), deliveries=1, token=5)
     assert claimer.end_item(unmarked, "done", False)[2]["sent"] == []
 
 
@@ -91,7 +91,7 @@ def test_decisions_on_a_store_follow_the_publish_rule() -> None:
     import uuid
 
     from celery_crawl.leases.memory import MemoryLeaseStore
-    from celery_crawl.worker.claims import Claimer, Held, Outcome
+    from celery_crawl.worker.claims import Arrival, Claimer, Held, Outcome
 
     store = MemoryLeaseStore(f"memory://reuse-{uuid.uuid4().hex[:8]}", namespace="r")
     lease = store.acquire("worker:w", 30.0, "w")
@@ -99,7 +99,7 @@ def test_decisions_on_a_store_follow_the_publish_rule() -> None:
     claimer = Claimer(store, lambda: lease, max_deliveries=5, done_ttl_s=60.0, worker="w")
 
     def deliver(sent: str, tag: int) -> tuple[Outcome, Held]:
-        held = Held(task_id="t", delivery_tag=tag, queue="q", deliveries=0, sent=sent)
+        held = Held(Arrival(task_id="t", delivery_tag=tag, queue="q", sent=sent))
         decision = claimer.decide("t", delivery_tag=tag, queue="q", sent=sent)
         held.token, held.lease_name, held.holder = decision.token, lease.name, lease.holder
         held.sent_before = decision.sent_before

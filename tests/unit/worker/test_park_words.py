@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY
 
-from celery_crawl.worker.claims import ClaimBook, Decision, Held, Outcome
+from celery_crawl.worker.claims import Arrival, ClaimBook, Decision, Held, Outcome
 from celery_crawl.worker.consumer_claims import ConsumerClaims
 from celery_crawl.worker.desk import Desk
 
@@ -49,8 +49,8 @@ def test_each_parked_case_is_named_and_counted_apart(
         caplog: pytest.LogCaptureFixture, generation: tuple[int, int], holder: str | None,
         kind: str, words: str) -> None:
     step = _step()
-    held = Held(task_id="t", delivery_tag=1, queue="q", deliveries=1, generation=generation,
-                task_name="crawl")
+    held = Held(Arrival(task_id="t", delivery_tag=1, queue="q", generation=generation,
+                        task_name="crawl"), deliveries=1)
     before = {k: _count(k) for k in ("waiting", "parked", "run")}
     with caplog.at_level(logging.INFO, logger="celery_crawl"):
         _park_then_run(step, held, holder)

@@ -1,10 +1,12 @@
 """install_worker chooses kombu's Redis transport, subclassed (``ridden_transport.py``), for a
-``redis://`` broker the riding gate allows, without the broker URL changing; anything else
-keeps the transport kombu would choose, said once in the log."""
+``redis://`` broker the riding gate allows, and for a ``rediss://`` one with its TLS options,
+without the broker URL changing; anything else keeps the transport kombu would choose, said once
+in the log."""
 
 from __future__ import annotations
 
 import logging
+import ssl
 
 import pytest
 from celery import Celery
@@ -35,9 +37,28 @@ def test_a_redis_broker_gets_the_subclassed_transport_and_keeps_its_url() -> Non
     assert conn.as_uri().startswith("redis://")
 
 
+@pytest.mark.parametrize("tls", ["url", "broker_use_ssl"])
+def test_a_rediss_broker_with_tls_options_gets_the_subclassed_transport(tls: str) -> None:
+    query = "?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem" if tls == "url" else ""
+    conf = {"broker_use_ssl": {"ssl_cert_reqs": ssl.CERT_REQUIRED}} if tls != "url" else {}
+    app = _app(f"rediss://127.0.0.1:1/3{query}", **conf)
+    install_worker(app)
+    assert app.conf.broker_transport == ridden_transport.TLS_PATH
+    conn = app.connection_for_read()
+    cls = conn.get_transport_cls()
+    assert cls is ridden_transport.TlsTransport and cls.Channel is ridden_transport.Channel
+    # The channel connects over TLS with the options given, as kombu's rediss transport does.
+    assert conn.ssl and conn.ssl["ssl_cert_reqs"] == ssl.CERT_REQUIRED
+    stock = Celery("stock", broker=f"rediss://127.0.0.1:1/3{query}", set_as_current=False)
+    assert conn.as_uri() == stock.connection_for_read().as_uri()
+    assert conn.as_uri().startswith("rediss://")
+
+
 @pytest.mark.parametrize("broker", ["amqp://guest@127.0.0.1:1//", "rediss://127.0.0.1:1/0",
                                     "sentinel://127.0.0.1:1/0"])
 def test_other_brokers_keep_kombus_transport(broker: str) -> None:
+    """``rediss://`` without TLS options: only kombu's transport named ``rediss`` turns TLS
+    on by default."""
     app = _app(broker)
     install_worker(app)
     assert not app.conf.broker_transport
