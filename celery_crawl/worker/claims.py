@@ -66,6 +66,7 @@ __all__ = [
     "deliveries_key",
     "estimate_death",
     "is_new_publish",
+    "is_older_publish",
     "is_successor",
     "json_tag",
     "lenient_float",
@@ -459,8 +460,8 @@ class Claimer:
         else:
             (done, version), (seen, seen_version) = self.store.get_many_versioned(
                 [done_key, count_key])
-        if done is not None and not (is_successor(done, generation, digest)
-                                     or is_new_publish(done, sent)):
+        if done is not None and (is_older_publish(done, sent) or not (
+                is_successor(done, generation, digest) or is_new_publish(done, sent))):
             return Decision(Outcome.DUPLICATE)
         before = publishes_of(done)
         prior = max(known_deliveries, lenient_int((seen or {}).get("n")))
@@ -624,6 +625,17 @@ def is_new_publish(done: Mapping[str, Any], sent: str) -> bool:
     return bool(sent) and isinstance(recorded, list) and sent not in recorded
 
 
+def is_older_publish(done: Mapping[str, Any], sent: str) -> bool:
+    """Whether a delivery belongs to a publish that ran before the one whose run wrote
+    tombstone ``done`` (the last it records): a duplicate, whatever hand-on the later run made.
+
+    Its generation cannot tell: a frozen signature applied again has the generation of the
+    first publish, so after the new publish's run retried or was replaced, a late copy of the
+    first would look like a successor of it.
+    """
+    return bool(sent) and sent in publishes_of(done)[:-1]
+
+
 def publishes_of(done: Mapping[str, Any] | None) -> tuple[str, ...]:
     """The publish ids tombstone ``done`` records (none for no tombstone)."""
     recorded = (done or {}).get("sent")
@@ -633,12 +645,12 @@ def publishes_of(done: Mapping[str, Any] | None) -> tuple[str, ...]:
 
 
 def ran_for(held: Held) -> list[str]:
-    """The publish ids the tombstone of ``held``'s end records: those before it and its
+    """The publish ids the tombstone of ``held``'s end records: those before it, then its
     own, the newest ``MAX_PUBLISHES``."""
-    out = list(held.sent_before)
     sent = held.arrival.sent
-    if sent and sent not in out:
-        out.append(sent)
+    out = [s for s in held.sent_before if s != sent]
+    if sent:
+        out.append(sent)  # the last one is the publish of the run that wrote it
     return out[-MAX_PUBLISHES:]
 
 

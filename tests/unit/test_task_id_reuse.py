@@ -116,3 +116,41 @@ def test_decisions_on_a_store_follow_the_publish_rule() -> None:
     assert deliver("p1", 1)[0] is Outcome.DUPLICATE  # a late copy of the first publish
     assert deliver("p2", 3)[0] is Outcome.DUPLICATE
     store.close()
+
+
+def test_a_copy_of_an_older_publish_is_no_successor_of_a_newer_one() -> None:
+    """The first publish runs and is replaced (it hands its id on); the frozen signature is
+    applied again (a new publish, of the same generation) and its run is replaced too; a late
+    copy of the first publish must not pass as a successor of the second run, and the
+    replacement still runs."""
+    import uuid
+
+    from celery_crawl.leases.memory import MemoryLeaseStore
+    from celery_crawl.worker.claims import Arrival, Claimer, Held, Outcome
+
+    store = MemoryLeaseStore(f"memory://older-{uuid.uuid4().hex[:8]}", namespace="r")
+    lease = store.acquire("worker:w", 30.0, "w")
+    assert lease is not None
+    claimer = Claimer(store, lambda: lease, max_deliveries=9, done_ttl_s=60.0, worker="w")
+
+    def deliver(sent: str, digest: str, gen: tuple[int, int]) -> tuple[Outcome, Held]:
+        held = Held(Arrival(task_id="t", delivery_tag=digest, queue="q", sent=sent,
+                            digest=digest, generation=gen))
+        decision = claimer.decide("t", delivery_tag=digest, queue="q", sent=sent,
+                                  digest=digest, generation=gen)
+        held.token, held.lease_name, held.holder = decision.token, lease.name, lease.holder
+        held.sent_before = decision.sent_before
+        return decision.outcome, held
+
+    outcome, first = deliver("p1", "d1", (0, 0))
+    assert outcome is Outcome.RUN
+    first.handoff = True  # Task.replace
+    claimer.finish(first, state="done")
+    outcome, second = deliver("p2", "d2", (0, 0))  # applied again
+    assert outcome is Outcome.RUN
+    second.handoff = True
+    claimer.finish(second, state="done")
+    assert deliver("p1", "d1", (0, 0))[0] is Outcome.DUPLICATE
+    assert deliver("p2", "d2", (0, 0))[0] is Outcome.DUPLICATE
+    assert deliver("p2x", "d2x", (1, 0))[0] is Outcome.RUN  # the replacement
+    store.close()

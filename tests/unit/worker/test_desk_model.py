@@ -19,7 +19,8 @@ from ``valid_until`` on), and a lease found lost kills its runs. After every ste
   (docs/design.md, "Worker lease loss"): a run of a worker frozen past its lease's expiry in the
   store, and only from that expiry on (a copy parked elsewhere claims then), or from the expiry
   plus the reaper's grace for a delivery the reaper restored;
-* no run of a task id after a run of it finished without handing the id on, and no message
+* no run of a publish after a run of it finished without handing the id on (a new publish of
+  the id, a frozen signature applied again, runs again), and no message
   run again after its run ended (unless that end was lost with its lease, or its worker froze
   past its lease: at least once); a replacement runs only after the run it replaced ended;
 * every running run's claim stands in the store (unless its worker lost its lease);
@@ -32,7 +33,11 @@ not when its end is recorded; ``OldClaimer``: ends and give-backs that do not na
 the model finds both defects: see ``test_the_model_finds_the_old_defects``. With copies of
 ended messages and ``Task.replace`` it also found that an end replayed from the backlog after
 its reply was lost (``OldDesk``) put back an older tombstone over a later run's, so a copy of
-the later message ran again (``tests/integration/test_worker_replayed_end.py``). Run against a
+the later message ran again (``tests/integration/test_worker_replayed_end.py``). With new
+publishes of ended ids (a frozen signature applied again, ``publishes.py``) it found that a late
+copy of the first publish, of the same generation as the new one, passed as the successor of the
+new publish's retry (``is_older_publish``; its forced test is in
+``tests/unit/test_task_id_reuse.py``). Run against a
 reaper without its grace, or a late claim reply applied without looking at the lease, the freeze
 rules find the overlap that follows.
 """
@@ -123,6 +128,8 @@ class Delivery:
     replaces: str | None = None
     #: The reaper put it back (its claim's lease was dead for the grace).
     restored: bool = False
+    #: Its publish id (``crawl_sent``): the same for every copy of one publish.
+    sent: str = ""
 
 
 @dataclasses.dataclass(eq=False)
@@ -167,7 +174,10 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
             self.tags = itertools.count(1)
             self.task_ids = itertools.count(1)
             self.active: dict[str, list[str]] = {}
-            self.finished: set[str] = set()
+            #: ``(task id, publish id)`` of every publish whose run finished without handing
+            #: the id on.
+            self.finished: set[tuple[str, str]] = set()
+            self.publishes = itertools.count(1)
             #: ``(task id, digest)`` of every message whose run ended (handed on or not).
             self.done_messages: set[tuple[str, str]] = set()
             self.retries = itertools.count(1)
@@ -224,7 +234,8 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
         def _held(self, delivery: Delivery) -> Held:
             return Held(Arrival(task_id=delivery.task_id, delivery_tag=delivery.tag, queue="q",
                                 digest=delivery.digest, message=delivery,
-                                generation=delivery.gen, retries=delivery.gen[1]))
+                                generation=delivery.gen, retries=delivery.gen[1],
+                                sent=delivery.sent))
 
         def _apply(self, worker: Worker, held: Held, decision: Decision,
                    under: Lease | None) -> None:
@@ -258,8 +269,10 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
             delivery: Delivery = held.arrival.message
             for name in self.active.get(task_id, []):
                 self._overlap(task_id, self._by_name(name), worker, delivery)
+            # Per publish: a new publish of a finished id (a frozen signature applied again)
+            # runs again; no copy of a publish whose run finished does.
             if task_id not in self.lost_ends and (
-                    task_id in self.finished
+                    (task_id, delivery.sent) in self.finished
                     or (task_id, held.arrival.digest) in self.done_messages):
                 self.violations.append(f"{task_id} ran again after it finished")
             if delivery.replaces is not None and task_id not in self.lost_ends and (
@@ -299,7 +312,7 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
                     self.queue.append(Delivery(delivery.task_id, delivery.tag,
                                                delivery.digest, gen=delivery.gen,
                                                replaces=delivery.replaces,
-                                               restored=restored))
+                                               restored=restored, sent=delivery.sent))
 
         def _reaped(self, claim: Claim) -> None:
             """The reaper dropped ``claim``: if its lease is a frozen worker's, that lease
@@ -327,7 +340,8 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
                 if len({t for t, _ in self.done_messages} | set(self.active)) >= 4:
                     return None
                 task_id = f"t{next(self.task_ids)}"
-                self.queue.append(Delivery(task_id, next(self.tags), f"d-{task_id}"))
+                self.queue.append(Delivery(task_id, next(self.tags), f"d-{task_id}",
+                                           sent=f"s-{task_id}"))
             delivery = self.queue.popleft()
             delivery.worker = worker.name
             self.unacked.append(delivery)
@@ -350,8 +364,10 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
             lease = worker.current() if worker else None
             if worker is None or held is None or lease is None:
                 return
-            worker.desk.claimer.decide(held.arrival.task_id, delivery_tag=held.arrival.delivery_tag,
-                                       queue="q", digest=held.arrival.digest, under=lease)
+            worker.desk.claimer.decide(held.arrival.task_id,
+                                       delivery_tag=held.arrival.delivery_tag, queue="q",
+                                       digest=held.arrival.digest, sent=held.arrival.sent,
+                                       under=lease)
             if drop_fails:
                 worker.desk.parked(held, Decision(Outcome.PARK, holder=None))
                 return
@@ -368,7 +384,8 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
                 return
             d = mine[pick % len(mine)]
             self.queue.appendleft(Delivery(d.task_id, d.tag if same_tag else next(self.tags),
-                                           d.digest, gen=d.gen, replaces=d.replaces))
+                                           d.digest, gen=d.gen, replaces=d.replaces,
+                                           sent=d.sent))
             self.deliver(to)
 
         @precondition(lambda self: copies_of_ended and bool(self.ended))
@@ -378,7 +395,20 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
             raced the ack, a publisher sending it again): it must never run again."""
             d = self.ended[pick % len(self.ended)]
             self.queue.appendleft(Delivery(d.task_id, d.tag if same_tag else next(self.tags),
-                                           d.digest, gen=d.gen, replaces=d.replaces))
+                                           d.digest, gen=d.gen, replaces=d.replaces,
+                                           sent=d.sent))
+            self.deliver(to)
+
+        @precondition(lambda self: bool(self.ended))
+        @rule(to=WORKER, pick=st.integers(0, 7))
+        def reapply(self, to: int, pick: int) -> None:
+            """A frozen signature applied again: a new publish (publish id and digest of its
+            own) of a task id that ran; it runs again, once, never beside another run of it."""
+            d = self.ended[pick % len(self.ended)]
+            n = next(self.publishes)
+            self.queue.appendleft(Delivery(d.task_id, next(self.tags), f"d-{d.task_id}-p{n}",
+                                           gen=d.gen, sent=f"s-{d.task_id}-p{n}"))
+            SEEN["new publish of an ended id"] += 1
             self.deliver(to)
 
         @precondition(lambda self: any(w.running for w in self.workers))
@@ -410,7 +440,8 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
             held = worker.running[pick % len(worker.running)]
             gen = (held.arrival.generation[0], held.arrival.generation[1] + 1)
             self.queue.append(Delivery(held.arrival.task_id, next(self.tags),
-                                       f"d-{held.arrival.task_id}-r{next(self.retries)}", gen=gen))
+                                       f"d-{held.arrival.task_id}-r{next(self.retries)}", gen=gen,
+                                       sent=held.arrival.sent))
             held.handoff = True
             self._end(worker, held, False, reply)
 
@@ -428,7 +459,8 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
             self.queue.append(Delivery(task_id, next(self.tags),
                                        f"d-{task_id}-x{next(self.retries)}",
                                        gen=(held.arrival.generation[0] + 1, 0),
-                                       replaces=held.arrival.digest))
+                                       replaces=held.arrival.digest,
+                                       sent=f"s-{task_id}-x{next(self.retries)}"))
             held.handoff = True
             self._end(worker, held, False, reply)
 
@@ -439,7 +471,7 @@ def model(book_cls: type[ClaimBook] = ClaimBook, claimer_cls: type[Claimer] = Cl
                 self.done_messages.add((held.arrival.task_id, held.arrival.digest))
                 self.ended.append(delivery)
                 if not held.handoff:
-                    self.finished.add(held.arrival.task_id)
+                    self.finished.add((held.arrival.task_id, held.arrival.sent))
             desk = worker.desk
             state = "rejected" if requeue else "done"
             current = worker.current()
@@ -756,3 +788,4 @@ def test_the_freeze_rules_find_a_worker_without_the_overlap_bound(
                                          phases=[Phase.generate])
     with pytest.raises(AssertionError, match=found):
         machine.TestCase().runTest()
+
