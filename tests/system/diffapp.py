@@ -104,6 +104,22 @@ def _tasks(app: Celery, mode: str) -> SimpleNamespace:
         side().rpush(f"runs:{key}", self.request.retries)
         raise self.retry(countdown=30, max_retries=3)
 
+    @app.task(bind=True, name=f"{mode}.retry_acked_early", shared=False, acks_late=False)
+    def retry_acked_early(self: Any, key: str) -> int:
+        """Acked early (``acks_late=False``), retries once, then returns its retry count. With
+        the plugins it retries only after its delivery's end (recorded at the early ack) is in
+        the lease store (db 1), the order in which that race usually ends."""
+        side().rpush(f"runs:{key}", self.request.retries)
+        if self.request.retries:
+            return int(self.request.retries)
+        if mode == "crawl":
+            store = redis.Redis(host="127.0.0.1", port=PORT, db=1, socket_timeout=5)
+            deadline = time.monotonic() + 30
+            while (not any(store.scan_iter(match=f"*done/{self.request.id}*"))
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+        raise self.retry(countdown=0.1)
+
     @app.task(bind=True, name=f"{mode}.spawn", shared=False)
     def spawn(self: Any, gate: str) -> list[str]:
         """Publishes a blocker and then a child: both inherit this run's deadline."""
@@ -113,7 +129,8 @@ def _tasks(app: Celery, mode: str) -> SimpleNamespace:
 
     return SimpleNamespace(add=add, identity=identity, tsum=tsum, tsum_record=tsum_record,
                            record=record, boom=boom, on_error=on_error, block=block,
-                           retry_later=retry_later, spawn=spawn)
+                           retry_later=retry_later, retry_acked_early=retry_acked_early,
+                           spawn=spawn)
 
 
 stock = _app("stock")
