@@ -181,6 +181,11 @@ class Held:
     fenced: bool = False
     #: The run handed its task id on (set from the pool child's mark when it ends).
     handoff: bool = False
+    #: Its task acknowledges early (``acks_late=False``): Celery acks it as the run starts, so
+    #: its end is recorded before the run could hand its id on; the tombstone then lets a
+    #: successor run (a retry, a replacement: another message of the same or a later
+    #: generation) as if it had, and a redelivery of the message itself stays a duplicate.
+    acked_early: bool = False
     #: The publishes the task id already ran for (``Decision.sent_before``).
     sent_before: tuple[str, ...] = ()
     delivery: Delivery | None = None

@@ -499,6 +499,8 @@ class ConsumerClaims:
                              self._offload.submit if self._offloading() else None)
 
     def _run(self, held: Held) -> None:
+        task = self.app.tasks.get(held.arrival.task_name)
+        held.acked_early = task is not None and not getattr(task, "acks_late", True)
         requests.run(held, self._end, self._refused)
 
     def _end(self, held: Held, state: str, requeue: bool, settle: requests.Settle) -> Any:
@@ -531,7 +533,7 @@ class ConsumerClaims:
         still ours, so it is settled normally. The store calls run off the consumer's loop.
         """
         self.book.end(held)
-        held.handoff = finishing.take(held.arrival.task_id)
+        held.handoff = finishing.take(held.arrival.task_id) or held.acked_early
         held.fenced = True
         if self._offloading():
             self._offload.submit(
@@ -561,14 +563,14 @@ class ConsumerClaims:
         """Offload thread: record the ends of runs that ended together (one store round trip,
         ``Desk.record_many``), then settle their messages on the loop."""
         for held, _, _, _ in ends:
-            held.handoff = finishing.take(held.arrival.task_id)
+            held.handoff = finishing.take(held.arrival.task_id) or held.acked_early
         self._the_desk.record_many([(held, state, requeue) for held, state, requeue, _ in ends])
         return [functools.partial(requests.settle_unless_fenced, held, settle)
                 for held, _, _, settle in ends]
 
     def _complete(self, held: Held, state: str, *, requeue: bool) -> None:
         """The end sequence, waiting for the store (``Desk.record``)."""
-        held.handoff = finishing.take(held.arrival.task_id)
+        held.handoff = finishing.take(held.arrival.task_id) or held.acked_early
         self._the_desk.record(held, state, requeue)
 
     def _on_recorded(self, held: Held) -> None:

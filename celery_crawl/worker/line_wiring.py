@@ -97,7 +97,7 @@ class LineWiring:
         if (line is None or lease is None or held.token is None
                 or lease.name != held.lease_name):
             return False
-        held.handoff = finishing.take(held.arrival.task_id)
+        held.handoff = finishing.take(held.arrival.task_id) or held.acked_early
         if not self._desk().ending(held):  # released meanwhile: nothing to record
             requests.settle_unless_fenced(held, settle)
             return True

@@ -133,7 +133,7 @@ class RideWiring:
                 or not riding.carries(held.arrival.message)
                 or compat.channel_gone(held.arrival.message)):
             return False
-        held.handoff = finishing.take(held.arrival.task_id)
+        held.handoff = finishing.take(held.arrival.task_id) or held.acked_early
         desk = self._desk()
         if not desk.ending(held):
             return True  # released meanwhile: nothing to record
