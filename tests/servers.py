@@ -18,11 +18,15 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
 from celery_crawl.up import find_redis_server
+
+if TYPE_CHECKING:
+    from celery_crawl.leases import LeaseStore
 
 
 def free_port() -> int:
@@ -291,3 +295,18 @@ class Monitor:
             if "O" in str(client.get("flags", "")):  # a MONITOR connection
                 probe.client_kill_filter(_id=client["id"])
         self._thread.join(5)
+
+
+def open_test_store(request: pytest.FixtureRequest, kind: str, prefix: str) -> LeaseStore:
+    """A lease store of ``kind`` (``memory``, ``redis``, ``etcd``) on the session's servers,
+    in a namespace of its own starting with ``prefix``."""
+    from celery_crawl.leases import open_store
+
+    ns = f"{prefix}{uuid.uuid4().hex[:8]}"
+    if kind == "memory":
+        url = f"memory://{ns}"
+    elif kind == "redis":
+        url = request.getfixturevalue("redis_server").url_db(0)
+    else:
+        url = request.getfixturevalue("etcd_server").url
+    return open_store(url, namespace=ns)

@@ -20,23 +20,14 @@ from celery_crawl.leases import LeaseStore, open_store
 from celery_crawl.leases.base import Lease
 from celery_crawl.leases.redis import RedisLeaseStore
 from celery_crawl.worker.claims import Arrival, Claimer, Held
-from tests.servers import EtcdServer, RedisServer
+from tests.servers import RedisServer, open_test_store
 
 TTL_S = 3.0
 
 
 @pytest.fixture(params=["redis", "etcd", "memory"])
 def store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
-    ns = f"endtok{uuid.uuid4().hex[:8]}"
-    if request.param == "memory":
-        url = f"memory://{ns}"
-    elif request.param == "redis":
-        server: RedisServer = request.getfixturevalue("redis_server")
-        url = server.url_db(0)
-    else:
-        etcd: EtcdServer = request.getfixturevalue("etcd_server")
-        url = etcd.url
-    opened = open_store(url, namespace=ns)
+    opened = open_test_store(request, request.param, "endtok")
     try:
         yield opened
     finally:

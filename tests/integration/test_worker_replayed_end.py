@@ -18,27 +18,18 @@ from collections.abc import Iterator
 import pytest
 
 from celery_crawl import keys
-from celery_crawl.leases import LeaseStore, open_store
+from celery_crawl.leases import LeaseStore
 from celery_crawl.leases.base import Lease
 from celery_crawl.worker.claims import Arrival, Claimer, Held, Outcome
 from celery_crawl.worker.desk import Desk
-from tests.servers import EtcdServer, RedisServer
+from tests.servers import open_test_store
 
 TTL_S = 10.0
 
 
 @pytest.fixture(params=["redis", "etcd", "memory"])
 def store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
-    ns = f"replay{uuid.uuid4().hex[:8]}"
-    if request.param == "memory":
-        url = f"memory://{ns}"
-    elif request.param == "redis":
-        server: RedisServer = request.getfixturevalue("redis_server")
-        url = server.url_db(0)
-    else:
-        etcd: EtcdServer = request.getfixturevalue("etcd_server")
-        url = etcd.url
-    opened = open_store(url, namespace=ns)
+    opened = open_test_store(request, request.param, "replay")
     try:
         yield opened
     finally:
