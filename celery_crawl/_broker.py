@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 from ._celery_compat import forget_unacked_locally, priority_queue_key, restore_unacked
 
-__all__ = ["AmqpBroker", "BrokerOps", "RedisBroker", "broker_ops", "json_tag", "sentinel_master"]
+__all__ = ["AmqpBroker", "BrokerOps", "RedisBroker", "broker_master_address", "broker_ops",
+           "json_tag", "sentinel_master"]
 
 logger = logging.getLogger(__name__)
 
@@ -266,3 +267,50 @@ def sentinel_master(app: Any) -> str | None:
         return None
     name = (app.conf.broker_transport_options or {}).get("master_name")
     return str(name) if name else None
+
+
+def broker_master_address(app: Any, *, timeout_s: float) -> tuple[str, int] | None:
+    """The master kombu's ``sentinel://`` transport would connect to now, or None if no
+    sentinel names one.
+
+    kombu asks the sentinels of the broker URL in their order and takes the first master one
+    names (redis-py's ``Sentinel.discover_master``); right after a failover a sentinel that has
+    not heard of it yet still names the old master, and a consumer connected there (a replica
+    once demoted) waits on a queue nothing is published to. Asked the same way, so the worker
+    reconnects only once kombu would find the new master.
+    """
+    from urllib.parse import unquote, urlsplit
+
+    from redis.exceptions import RedisError
+    from redis.sentinel import MasterNotFoundError, Sentinel
+
+    conn = app.connection_for_read()
+    try:
+        alt = getattr(conn, "alt", None) or [conn.as_uri(include_password=True)]
+        urls = [str(u) for u in alt]
+    finally:
+        conn.release()
+    sentinels: list[tuple[str, int]] = []
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme == "sentinel" and parts.hostname:
+            sentinels.append((parts.hostname, parts.port or 26379))
+    name = sentinel_master(app)
+    if not sentinels or not name:
+        return None
+    options = app.conf.broker_transport_options or {}
+    kwargs = dict(options.get("sentinel_kwargs") or {})
+    kwargs.setdefault("socket_timeout", timeout_s)
+    kwargs.setdefault("socket_connect_timeout", timeout_s)
+    password = urlsplit(urls[0]).password
+    manager = Sentinel(sentinels, min_other_sentinels=int(options.get("min_other_sentinels", 0)),
+                       sentinel_kwargs=kwargs,
+                       password=unquote(password) if password else None)
+    try:
+        host, port = manager.discover_master(name)
+        return str(host), int(port)
+    except (MasterNotFoundError, RedisError, OSError):
+        return None
+    finally:
+        for client in manager.sentinels:
+            client.close()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from typing import Any, Protocol
 
 from celery import bootsteps, signals
@@ -21,7 +23,7 @@ from .. import _celery_compat as compat
 from .. import _finishing as finishing
 from .. import _issued as issued
 from .. import metrics, status
-from .._broker import sentinel_master
+from .._broker import broker_master_address, sentinel_master
 from ..config import CrawlConfig
 from ..errors import StoreError
 from ..leases import store_for
@@ -100,7 +102,20 @@ class LeaseStep(bootsteps.StartStopStep):
             raise ConnectionError(f"the Redis master {link.master_name!r} moved to "
                                   f"{new[0]}:{new[1]} (Sentinel failover)")
 
-        hub.call_soon(reconnect)
+        def when_kombu_sees_it() -> None:
+            # kombu asks the broker's sentinels in order: one that has not heard of the
+            # failover yet would send the consumer back to the old master (then a replica,
+            # which nothing is published to). Reconnect once they name the new master, or
+            # after the deadline in any case (Celery's reconnection retries by itself).
+            deadline = time.monotonic() + max(10.0, 3 * self.config.store_timeout_s)
+            while time.monotonic() < deadline:
+                if broker_master_address(self.app, timeout_s=0.5) == new:
+                    break
+                time.sleep(0.1)
+            hub.call_soon(reconnect)
+
+        threading.Thread(target=when_kombu_sees_it, name="crawl-broker-master",
+                         daemon=True).start()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, w: Any) -> None:
