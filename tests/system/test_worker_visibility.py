@@ -113,13 +113,19 @@ def test_duplicate_delivery_is_parked_then_dropped(running: tuple[Combo, Workers
     combo, ws = running
     key = f"{combo.ns}-dup"
     task_id = str(uuid.uuid4())
-    send(combo, key, 2.0, task_id=task_id)
+    # One publish sent twice, as the beat re-sends a slot (its crawl_sent is the task id).
+    same = {"crawl_sent": task_id}
+    send(combo, key, 2.0, task_id=task_id, headers=same)
     wait_until(lambda: runs(combo, key), 30, what="first run started")
-    send(combo, key, 2.0, task_id=task_id)  # the same id again, e.g. a re-sent beat run
+    send(combo, key, 2.0, task_id=task_id, headers=same)
     wait_until(lambda: "parked (not run, not acked)" in ws.logs(), 15, what="duplicate parked")
     wait_until(lambda: "as a duplicate" in ws.logs(), 30, what="duplicate dropped")
     assert len(runs(combo, key)) == 1
     assert len(runs(combo, key, "finished")) == 1
+    # A new publish of the finished id (its own crawl_sent) runs again, as on stock Celery.
+    send(combo, key, 0.5, task_id=task_id, headers={"crawl_sent": uuid.uuid4().hex})
+    wait_until(lambda: len(runs(combo, key, "finished")) == 2, 30, what="the new publish's run")
+    assert len(runs(combo, key)) == 2
 
 
 def test_inspect_stats_crawl_leases_and_flower(

@@ -128,11 +128,11 @@ def committed(combo: Combo, key: str) -> dict[str, Any] | None:
 
 
 def send(combo: Combo, key: str, seconds: float, *, task: str = "crawltest.work",
-         task_id: str | None = None) -> str:
+         task_id: str | None = None, headers: dict[str, str] | None = None) -> str:
     client = combo.app()
     try:
         result = client.send_task(task, args=[key, seconds] if task.endswith("work") else [key],
-                                  queue=combo.queue, task_id=task_id)
+                                  queue=combo.queue, task_id=task_id, headers=headers)
         return str(result.id)
     finally:
         client.close()
