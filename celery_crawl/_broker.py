@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 from ._celery_compat import forget_unacked_locally, priority_queue_key, restore_unacked
 
-__all__ = ["AmqpBroker", "BrokerOps", "RedisBroker", "broker_master_address", "broker_ops",
+__all__ = ["AmqpBroker", "BrokerOps", "BrokerSentinels", "RedisBroker", "broker_master_address",
+           "broker_ops",
            "json_tag", "sentinel_master"]
 
 logger = logging.getLogger(__name__)
@@ -269,48 +270,73 @@ def sentinel_master(app: Any) -> str | None:
     return str(name) if name else None
 
 
-def broker_master_address(app: Any, *, timeout_s: float) -> tuple[str, int] | None:
-    """The master kombu's ``sentinel://`` transport would connect to now, or None if no
-    sentinel names one.
+class BrokerSentinels:
+    """The sentinels of an app's ``sentinel://`` broker, asked as kombu asks them.
 
     kombu asks the sentinels of the broker URL in their order and takes the first master one
     names (redis-py's ``Sentinel.discover_master``); right after a failover a sentinel that has
     not heard of it yet still names the old master, and a consumer connected there (a replica
-    once demoted) waits on a queue nothing is published to. Asked the same way, so the worker
-    reconnects only once kombu would find the new master.
+    once demoted) waits on a queue nothing is published to. Asked the same way, the worker
+    reconnects only once kombu would find the new master. One instance keeps its connections
+    to the sentinels for a series of questions; ``close`` them after.
     """
-    from urllib.parse import unquote, urlsplit
 
-    from redis.exceptions import RedisError
-    from redis.sentinel import MasterNotFoundError, Sentinel
+    def __init__(self, sentinels: list[tuple[str, int]], name: str, *,
+                 sentinel_kwargs: dict[str, Any], min_other_sentinels: int) -> None:
+        from redis.sentinel import Sentinel
 
-    conn = app.connection_for_read()
-    try:
-        alt = getattr(conn, "alt", None) or [conn.as_uri(include_password=True)]
-        urls = [str(u) for u in alt]
-    finally:
-        conn.release()
-    sentinels: list[tuple[str, int]] = []
-    for url in urls:
-        parts = urlsplit(url)
-        if parts.scheme == "sentinel" and parts.hostname:
-            sentinels.append((parts.hostname, parts.port or 26379))
-    name = sentinel_master(app)
-    if not sentinels or not name:
-        return None
-    options = app.conf.broker_transport_options or {}
-    kwargs = dict(options.get("sentinel_kwargs") or {})
-    kwargs.setdefault("socket_timeout", timeout_s)
-    kwargs.setdefault("socket_connect_timeout", timeout_s)
-    password = urlsplit(urls[0]).password
-    manager = Sentinel(sentinels, min_other_sentinels=int(options.get("min_other_sentinels", 0)),
-                       sentinel_kwargs=kwargs,
-                       password=unquote(password) if password else None)
-    try:
-        host, port = manager.discover_master(name)
+        self.name = name
+        self._manager = Sentinel(sentinels, min_other_sentinels=min_other_sentinels,
+                                 sentinel_kwargs=sentinel_kwargs)
+
+    @classmethod
+    def of(cls, app: Any, *, timeout_s: float) -> BrokerSentinels | None:
+        """The broker's sentinels (every call bounded by ``timeout_s``), or None when the
+        broker is not ``sentinel://`` with a ``master_name``."""
+        from urllib.parse import urlsplit
+
+        name = sentinel_master(app)
+        if not name:
+            return None
+        conn = app.connection_for_read()
+        try:
+            urls = [str(u) for u in (getattr(conn, "alt", None) or [conn.as_uri()])]
+        finally:
+            conn.release()
+        sentinels = [(parts.hostname, parts.port or 26379) for parts in map(urlsplit, urls)
+                     if parts.scheme == "sentinel" and parts.hostname]
+        if not sentinels:
+            return None
+        options = app.conf.broker_transport_options or {}
+        kwargs = dict(options.get("sentinel_kwargs") or {})
+        kwargs.setdefault("socket_timeout", timeout_s)
+        kwargs.setdefault("socket_connect_timeout", timeout_s)
+        return cls(sentinels, name, sentinel_kwargs=kwargs,
+                   min_other_sentinels=int(options.get("min_other_sentinels", 0)))
+
+    def master(self) -> tuple[str, int] | None:
+        """The master kombu would connect to now, or None if no sentinel names one."""
+        from redis.exceptions import RedisError
+        from redis.sentinel import MasterNotFoundError
+
+        try:
+            host, port = self._manager.discover_master(self.name)
+        except (MasterNotFoundError, RedisError, OSError):
+            return None
         return str(host), int(port)
-    except (MasterNotFoundError, RedisError, OSError):
-        return None
-    finally:
-        for client in manager.sentinels:
+
+    def close(self) -> None:
+        for client in self._manager.sentinels:
             client.close()
+
+
+def broker_master_address(app: Any, *, timeout_s: float) -> tuple[str, int] | None:
+    """The master kombu's ``sentinel://`` transport would connect to now (``BrokerSentinels``),
+    or None if no sentinel names one or the broker is not behind Sentinel."""
+    sentinels = BrokerSentinels.of(app, timeout_s=timeout_s)
+    if sentinels is None:
+        return None
+    try:
+        return sentinels.master()
+    finally:
+        sentinels.close()

@@ -23,7 +23,8 @@ from .. import _celery_compat as compat
 from .. import _finishing as finishing
 from .. import _issued as issued
 from .. import metrics, status
-from .._broker import broker_master_address, sentinel_master
+from .._broker import BrokerSentinels, sentinel_master
+from ..clock import monotonic
 from ..config import CrawlConfig
 from ..errors import StoreError
 from ..leases import store_for
@@ -107,11 +108,16 @@ class LeaseStep(bootsteps.StartStopStep):
             # failover yet would send the consumer back to the old master (then a replica,
             # which nothing is published to). Reconnect once they name the new master, or
             # after the deadline in any case (Celery's reconnection retries by itself).
-            deadline = time.monotonic() + max(10.0, 3 * self.config.store_timeout_s)
-            while time.monotonic() < deadline:
-                if broker_master_address(self.app, timeout_s=0.5) == new:
-                    break
-                time.sleep(0.1)
+            deadline = monotonic() + max(10.0, 3 * self.config.store_timeout_s)
+            sentinels = BrokerSentinels.of(self.app, timeout_s=0.5)
+            try:
+                while sentinels is not None and monotonic() < deadline:
+                    if sentinels.master() == new:
+                        break
+                    time.sleep(0.1)
+            finally:
+                if sentinels is not None:
+                    sentinels.close()
             hub.call_soon(reconnect)
 
         threading.Thread(target=when_kombu_sees_it, name="crawl-broker-master",
